@@ -23,9 +23,12 @@ call before it is refused as each API does: a chat completions ``tool`` message 
 whose ``tool_use_id`` is no ``tool_use`` of the message before, a Responses
 ``function_call_output`` whose ``call_id`` no ``function_call`` before it has, a Gemini turn
 with a ``functionResponse`` that does not follow a turn that calls functions. A second result
-of one call is refused as each does: "Duplicate value for 'tool_call_id'", "each tool_use must
-have a single result", "Duplicate function_call_output for call_id" (an id a later
-``function_call`` reuses is a new call), and on Gemini by the count of the responses.
+of one call is refused as each does: "Duplicate value for 'tool_call_id'" (two tool messages of
+one id after an assistant message), "each tool_use must have a single result", "Duplicate
+function_call_output for call_id" (an id a later ``function_call`` reuses too: the Responses
+API counts a call_id's outputs in the whole input), and on Gemini by the count of the responses.
+Two ``tool_use`` blocks of one id anywhere in an Anthropic request are refused ("`tool_use` ids
+must be unique").
 Anthropic's empty text blocks are refused ("text content blocks must be non-empty"); the files
 in a ``tool_result``'s content and in a Responses ``function_call_output``'s ``output`` list
 are checked and received as any other.
@@ -175,6 +178,7 @@ def _openai_tool_answers(messages: list[Any]) -> None:
     """
     pending: list[str] = []
     asked: set[str] = set()
+    answered: dict[str, int] = {}  # the tool messages of the assistant message before: id -> i
     answering = False
     for i, msg in enumerate(messages):
         role = msg.get("role")
@@ -187,9 +191,12 @@ def _openai_tool_answers(messages: list[Any]) -> None:
             if call_id not in asked:
                 raise BadRequest(f"Invalid parameter: 'tool_call_id' of {call_id!r} not found "
                                  f"in 'tool_calls' of previous message (messages[{i}]).")
-            if call_id not in pending:
+            if call_id in answered:
+                # Two tool messages of one id, whether the calls repeat the id or not.
                 raise BadRequest(f"Invalid parameter: Duplicate value for 'tool_call_id' of "
-                                 f"{call_id!r} (messages[{i}]).")
+                                 f"{call_id!r} in messages[{answered[call_id]}] and "
+                                 f"messages[{i}].")
+            answered[str(call_id)] = i
             pending.remove(call_id)
             continue
         if pending:
@@ -201,6 +208,7 @@ def _openai_tool_answers(messages: list[Any]) -> None:
         answering = bool(calls)
         pending = [str(c.get("id")) for c in calls or [] if isinstance(c, dict)]
         asked = set(pending)
+        answered = {}
     if pending:
         raise BadRequest("An assistant message with 'tool_calls' must be followed by tool "
                          "messages responding to each 'tool_call_id'. The following "
@@ -281,8 +289,8 @@ def _responses(obj: dict[str, Any], model: str | None) -> list[ReceivedMedia]:
             for key in ("call_id", "name", "arguments"):
                 if not isinstance(item.get(key), str) or not item[key]:
                     raise BadRequest(f"{where}.{key} is required")
+            # A call_id used again is no new call: its second output is a duplicate.
             called.add(item["call_id"])
-            answered.discard(item["call_id"])  # an id reused: a new call, answered anew
             if output_at.get(item["call_id"], -1) < i:
                 pending.append(item["call_id"])
             try:
@@ -388,9 +396,15 @@ def _anthropic_tool_results(messages: list[Any]) -> None:
     message is refused (a tool's file included), and so is one that answers no ``tool_use``
     of the message before.
     """
+    used: set[Any] = set()  # every tool_use id so far, in any message
     for i, msg in enumerate(messages):
         content = msg.get("content")
         blocks = [b for b in content if isinstance(b, dict)] if isinstance(content, list) else []
+        for j, block in enumerate(blocks):
+            if block.get("type") == "tool_use":
+                if block.get("id") in used:
+                    raise BadRequest(f"messages.{i}.content.{j}: `tool_use` ids must be unique")
+                used.add(block.get("id"))
         before = messages[i - 1].get("content") if i > 0 else None
         asked = {b.get("id") for b in before if isinstance(b, dict)
                  and b.get("type") == "tool_use"} if (
