@@ -312,7 +312,7 @@ class GeminiCodec(Codec):
             else:
                 add("user", {"text": p.content})
         turn.end()
-        require_answered(self.protocol, envelope.parts)
+        require_answered(self.protocol, envelope.parts, route.id)
         nothing = message_refusal(self.protocol, envelope.parts)
         if nothing is not None:
             raise nothing.error()

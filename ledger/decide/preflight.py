@@ -693,7 +693,7 @@ def _capability(route: Route, needs: RequestNeeds) -> list[PreflightFailure]:
         out.extend(_param_capability(route, needs.parameters))
     if needs.uncarried:
         out.extend((f"{u.field}: {u.message} (protocol {route.protocol.value})", u.fix)
-                   for u in refusals_for(route.protocol, needs.uncarried))
+                   for u in refusals_for(route.protocol, needs.uncarried, route.id))
     out.extend(_media_capability(route, needs))
     return [PreflightFailure(Check.CAPABILITY, d, f) for d, f in out]
 
@@ -749,7 +749,7 @@ def require_carried(envelope: Envelope, plan: Sequence[Route]) -> tuple[Uncarrie
     per_route: list[tuple[Route, list[ParamRefusal | Uncarried]]] = []
     for r in plan:
         refused: list[ParamRefusal | Uncarried] = [
-            *(refused_params(r, params) if params else ()), *refusals_for(r.protocol, found)]
+            *(refused_params(r, params) if params else ()), *refusals_for(r.protocol, found, r.id)]
         if not refused:
             return found  # the usual case: the first route carries it, the rest is preflight's
         per_route.append((r, refused))

@@ -14,10 +14,12 @@ out and, Anthropic and Gemini, empty text parts), a tool call that nothing answe
 part of its id, nor files its tool returned alone) while the conversation goes on after it
 (every protocol of these codecs) or at the request's end (chat completions), a tool call whose
 result is sent where the protocol reads none (chat completions, Anthropic, Gemini: something
-sent between the call and its result; the Responses API pairs them by id), a tool result that
+sent between the call and its result, on Gemini the empty text a route sends back with its
+thought signature too, on that route only; the Responses API pairs them by id), a tool result that
 answers no call before it (every protocol of these codecs; on Gemini, a result without an id
 that no call of its name before it is left for) or repeats the result of a call answered
-already (every protocol of these codecs), and on the
+already (every protocol of these codecs), a tool call whose id another call of its turn has
+(chat completions, Responses, Anthropic) or any earlier call (Responses, Anthropic), and on the
 Responses API a ``params["tools"]`` that is not a list of the provider's built-in tools.
 
 The rules live in the pure core so that preflight judges every candidate before an Attempt is
@@ -81,13 +83,20 @@ class Uncarried:
 
     ``field`` is the path an :class:`~ledger.errors.InvalidArgument` names
     (``envelope.parts[3]``, ``envelope.params.tools[0]``), ``message`` what is wrong, ``fix``
-    what to do instead.
+    what to do instead. ``route``: only the route of that id cannot build it, when what its
+    codec sends depends on reasoning that route wrote (a Gemini thought signature goes back to
+    its own route only); ``None``: every route of ``protocols``.
     """
 
     protocols: frozenset[WireProtocol]
     field: str
     message: str
     fix: str
+    route: str | None = None
+
+    def refuses(self, protocol: WireProtocol, route: str | None = None) -> bool:
+        """Whether a route of ``protocol`` (of id ``route``, when known) cannot build it."""
+        return protocol in self.protocols and (self.route is None or self.route == route)
 
     def error(self) -> InvalidArgument:
         """The typed error a codec raises for it (and a turn, when no route can carry it)."""
@@ -521,7 +530,9 @@ def unanswered_refusals(parts: Sequence[Part]) -> list[Uncarried]:
     message, Gemini a ``functionResponse`` only in the turn right after the call's. A result
     with the user's text, a file or another message sent before it is refused there, as the
     provider would; the Responses API pairs a ``function_call_output`` with its call by
-    ``call_id`` wherever it stands, and takes it.
+    ``call_id`` wherever it stands, and takes it. On Gemini an empty assistant text is sent
+    only by the route whose thought signature it carries back (:func:`_signed_empty_texts`):
+    a model turn of its own there, refused for that route alone (:attr:`Uncarried.route`).
 
     A result that answers no call before it (:func:`_orphans`: a typo'd id, a call trimmed out
     of a truncated conversation, a result put before its call) is refused on every protocol
@@ -533,7 +544,10 @@ def unanswered_refusals(parts: Sequence[Part]) -> list[Uncarried]:
     result of a call a result answers already ("Duplicate value for 'tool_call_id'",
     "Duplicate function_call_output for call_id", "each tool_use must have a single result",
     Gemini's count): a result answers the latest call of its id before it that none answers
-    yet, so an id reused for a new call in a later turn is that call's (:func:`_pair`).
+    yet, so an id reused for a new call in a later turn is that call's (:func:`_pair`). The
+    reused id itself is refused where the provider refuses it (:func:`_reused_call_ids`): in
+    one turn on chat completions, the Responses API and Anthropic, in a later turn on the
+    Responses API and Anthropic.
     """
     if not any(p.role == "tool" or (p.role == "assistant" and p.tool_call_id) for p in parts):
         return []
@@ -544,6 +558,9 @@ def unanswered_refusals(parts: Sequence[Part]) -> list[Uncarried]:
     _refuse_unanswered(parts, runs, alone, pairing, found)
     for k, refusal in _orphans(parts, pairing):
         found.setdefault(k, []).append(refusal)
+    for k, refusal in _reused_call_ids(parts):
+        # Before the call's other refusals: a reused id is why its result is taken for another.
+        found.setdefault(k, []).insert(0, refusal)
     return [u for j in sorted(found) for u in found[j]]
 
 
@@ -684,12 +701,23 @@ def _refuse_unanswered(parts: Sequence[Part], runs: Sequence[range],
                                   "Responses API, Anthropic and Gemini refuse a tool call "
                                   "without its result)", fix)]
     if answered:
-        items = _wire_items(parts, runs, alone)
+        order = sent_order(parts, alone, runs)
+        items = _wire_items(parts, order)
         results = {**pairing.by_id, **pairing.by_name}
         for protocol in _PLACED:
-            for j, (k, m) in _misplaced(protocol, results, items).items():
+            misplaced = _misplaced(protocol, results, items)
+            for j, (k, m) in misplaced.items():
                 if protocol in answered.get(j, ()):
                     found.setdefault(j, []).append(_misplaced_refusal(protocol, parts, j, k, m))
+            if protocol is not _P.GEMINI:
+                continue
+            # The route that wrote a thought signature for an empty answer text sends that text
+            # back, a model turn of its own; another route leaves it out (its empty text).
+            for route, signed in _signed_empty_texts(parts, order).items():
+                for j, (k, m) in _misplaced(protocol, results, items, signed).items():
+                    if j not in misplaced and protocol in answered.get(j, ()):
+                        found.setdefault(j, []).append(_misplaced_refusal(
+                            protocol, parts, j, k, m, (route, signed)))
 
 
 _ORPHAN_FIX = ("drop the result, or keep its call's part (the assistant part with that "
@@ -756,6 +784,65 @@ def _shown(call: Part) -> str:
     return f"tool call {call.tool_call_id!r}" + (f" ({call.name})" if call.name else "")
 
 
+# Which protocols refuse a tool call whose id another call of the request has. Gemini's codec
+# sends no id (its functionCall names the function), so none of these reaches it. Anthropic
+# answers "messages.N.content.M: `tool_use` ids must be unique" for two tool_use blocks of one
+# id in one message or in two (reported by its users, e.g. anthropics/claude-code#20700,
+# HKUDS/nanobot#4442, openclaw/openclaw#4700; the Messages API reference says nothing of it).
+# The Responses API answers a call_id reused in a later turn with "Duplicate function_call_output
+# for call_id ... Each function_call must have exactly one matching function_call_output"
+# (NousResearch/hermes-agent#111231). Chat completions reads a turn's tool messages against the
+# assistant message before them, and answers two of one id there with "Duplicate value for
+# 'tool_call_id' of ... in messages[i] and messages[j]" (agno-agi/agno#5116); an id reused in a
+# later turn it takes (hermes-agent#111231 again: its chat transport carried such ids).
+_IDS_UNIQUE_IN_TURN = frozenset({_P.OPENAI, _P.OPENAI_RESPONSES, _P.ANTHROPIC})
+_IDS_UNIQUE_IN_REQUEST = frozenset({_P.OPENAI_RESPONSES, _P.ANTHROPIC})
+_REUSED_ID_FIX = ("give each tool call an id of its own (a framework that numbers its calls in "
+                  "every answer, call_0, call_1, ..., must make them unique in the conversation, "
+                  "as the ledger's integrations do), or leave the repeated call out with its "
+                  "result")
+
+
+def _reused_call_ids(parts: Sequence[Part]) -> list[tuple[int, Uncarried]]:
+    """The tool calls whose id an earlier call of the request has, each with its index.
+
+    Two calls of one id in one turn (the assistant parts between two other parts) are refused
+    on chat completions, the Responses API and Anthropic; an id used again in a later turn, on
+    the Responses API and Anthropic (:data:`_IDS_UNIQUE_IN_REQUEST`, whose comment gives the
+    evidence). The refusal names the call's part and the latest earlier call of its id.
+    """
+    out: list[tuple[int, Uncarried]] = []
+    latest: dict[str, int] = {}
+    start = 0  # the first assistant part of the current turn
+    for k, p in enumerate(parts):
+        if p.role != "assistant":
+            continue
+        if k == 0 or parts[k - 1].role != "assistant":
+            start = k
+        call_id = p.tool_call_id
+        if not call_id:
+            continue
+        j = latest.get(call_id)
+        latest[call_id] = k
+        if j is None:
+            continue
+        if j >= start:
+            protocols, where, why = (
+                _IDS_UNIQUE_IN_TURN, "in the same turn",
+                "chat completions, the Responses API and Anthropic refuse two tool calls of one "
+                "id in a turn; Gemini, whose calls carry no id, takes it")
+        else:
+            protocols, where, why = (
+                _IDS_UNIQUE_IN_REQUEST, "in an earlier turn",
+                "the Responses API and Anthropic refuse a tool call id used again anywhere in "
+                "the request; chat completions and Gemini take it")
+        out.append((k, Uncarried(
+            protocols, f"envelope.parts[{k}]",
+            f"{_shown(p)} has the id of another tool call {where}, envelope.parts[{j}] ({why})",
+            _REUSED_ID_FIX)))
+    return out
+
+
 # The protocols that take a call's result only right after the call (the Responses API pairs
 # a function_call_output with its call by call_id wherever it stands), and why.
 _PLACED = (_P.OPENAI, _P.ANTHROPIC, _P.GEMINI)
@@ -774,11 +861,77 @@ _PLACE_RULES = {
 _Item = tuple[int, bool, "Part | None"]
 
 
-def _wire_items(parts: Sequence[Part], runs: Sequence[range],
-                alone: Mapping[int, tuple[int, ...]]) -> list[_Item]:
-    """The parts in the order every codec sends them (:func:`sent_order`)."""
+def _wire_items(parts: Sequence[Part], order: Sequence[tuple[int, int | None]]) -> list[_Item]:
+    """The parts in the order every codec sends them (``order``, :func:`sent_order`'s)."""
     return [(k, True, None) if call is not None else (k, parts[k].role == "tool", parts[k])
-            for k, call in sent_order(parts, alone, runs)]
+            for k, call in order]
+
+
+def _gemini_signature(part: Part) -> tuple[str, str] | None:
+    """``(route id, the answer's part it names)`` of a Gemini thought-signature part, else None.
+
+    What the Gemini codec puts back on a part of its route's turn: a reasoning item of protocol
+    ``gemini`` whose item has a ``thoughtSignature`` and names a ``functionCall``, ``text`` or
+    ``media`` part (:func:`ledger.adapters.contract.reasoning_data` writes the JSON).
+    """
+    if part.kind is not MediaKind.REASONING or part.payload is None:
+        return None
+    try:
+        doc = json.loads(part.payload)
+    except (ValueError, RecursionError):
+        return None
+    item = doc.get("item") if isinstance(doc, dict) else None
+    if (not isinstance(item, dict) or doc.get("protocol") != _P.GEMINI.value
+            or not isinstance(doc.get("route"), str)
+            or not isinstance(item.get("thoughtSignature"), str)
+            or item.get("part") not in ("functionCall", "text", "media")):
+        return None
+    return doc["route"], item["part"]
+
+
+def _signed_empty_texts(parts: Sequence[Part],
+                        order: Sequence[tuple[int, int | None]]) -> dict[str, frozenset[int]]:
+    """The empty assistant texts the Gemini codec sends, per route: route id -> indices.
+
+    Gemini returns an empty text part to carry a thought signature, and takes it back; the
+    codec sends an empty text only when its route's signature goes on it, and leaves it out
+    otherwise (``ledger.adapters.gemini``'s ``_Turn``, read here in ``order``): a text takes the
+    first pending text signature of its model turn, a turn's signatures come before its other
+    parts, and a signature after them, or any part of the user's, starts the turn anew.
+    """
+    signers = {k: s for k, p in enumerate(parts)
+               if p.kind is MediaKind.REASONING and (s := _gemini_signature(p)) is not None}
+    out: dict[str, frozenset[int]] = {}
+    for route in {r for r, what in signers.values() if what == "text"}:
+        pending: list[str] = []
+        started = False
+        signed: list[int] = []
+        for k, call in order:
+            p = parts[k]
+            if p.role == "system":
+                continue
+            if call is not None or p.role == "tool":
+                pending, started = [], False  # a user turn: the model turn has ended
+            elif p.role == "assistant" and p.tool_call_id:
+                started = True
+            elif p.kind is MediaKind.REASONING:
+                signer = signers.get(k)
+                if signer is None or signer[0] != route:
+                    continue  # another route's: left out, it changes nothing
+                if started:
+                    pending, started = [], False
+                pending.append(signer[1])
+            elif p.role == "assistant":
+                started = True
+                if p.media_type is None and "text" in pending:
+                    pending.remove("text")
+                    if not p.content:
+                        signed.append(k)
+            elif p.content or p.media_type is not None:
+                pending, started = [], False  # the user's text or file (an empty text is not sent)
+        if signed:
+            out[route] = frozenset(signed)
+    return out
 
 
 def _sent_in(protocol: WireProtocol, part: Part | None) -> str | None:
@@ -805,9 +958,12 @@ def _sent_in(protocol: WireProtocol, part: Part | None) -> str | None:
     return role
 
 
-def _misplaced(protocol: WireProtocol, results: Mapping[int, int],
-               items: Sequence[_Item]) -> dict[int, tuple[int, int]]:
+def _misplaced(protocol: WireProtocol, results: Mapping[int, int], items: Sequence[_Item],
+               signed: frozenset[int] = frozenset()) -> dict[int, tuple[int, int]]:
     """The calls whose results ``protocol`` does not read where they are sent.
+
+    ``signed``: the empty assistant texts sent all the same (on Gemini, those that carry a
+    thought signature back to the route that wrote it, :func:`_signed_empty_texts`).
 
     The parts go in ``items``' order, grouped as ``protocol`` groups them into messages:
     consecutive parts of one role (on chat completions an assistant's text opens a message of
@@ -827,6 +983,8 @@ def _misplaced(protocol: WireProtocol, results: Mapping[int, int],
     groups: list[tuple[str, int, int]] = []  # (role, start, stop) in ``sent``
     for item in items:
         role = _sent_in(protocol, item[2])
+        if role is None and item[0] in signed and item[2] is not None:
+            role = item[2].role
         if role is None:
             continue
         part = item[2]
@@ -862,29 +1020,45 @@ def _misplaced(protocol: WireProtocol, results: Mapping[int, int],
     return out
 
 
-def _misplaced_refusal(protocol: WireProtocol, parts: Sequence[Part], j: int, k: int,
-                       m: int) -> Uncarried:
-    """The refusal of call ``j``, whose result ``k`` ``protocol`` reads nowhere after ``m``."""
+def _misplaced_refusal(protocol: WireProtocol, parts: Sequence[Part], j: int, k: int, m: int,
+                       signer: tuple[str, frozenset[int]] | None = None) -> Uncarried:
+    """The refusal of call ``j``, whose result ``k`` ``protocol`` reads nowhere after ``m``.
+
+    ``signer``: the route whose signed empty texts (their indices) put a model turn between,
+    which alone refuses it.
+    """
+    fix = (f"put the call's result right after the call's part (a turn's tool results before "
+           f"anything else of the conversation): move envelope.parts[{m}] after the results, or "
+           f"the result before it; a route of the Responses API, which pairs a result with its "
+           f"call wherever it stands, takes it as it is")
+    if signer is None:
+        return Uncarried(frozenset({protocol}), f"envelope.parts[{j}]",
+                         f"{_shown(parts[j])} has its result, envelope.parts[{k}], sent after "
+                         f"envelope.parts[{m}]: {_PLACE_RULES[protocol]}", fix)
+    route, signed = signer
+    texts = ", ".join(f"envelope.parts[{e}]" for e in sorted(signed) if j < e < k)
     return Uncarried(
         frozenset({protocol}), f"envelope.parts[{j}]",
         f"{_shown(parts[j])} has its result, envelope.parts[{k}], sent after "
-        f"envelope.parts[{m}]: {_PLACE_RULES[protocol]}",
-        f"put the call's result right after the call's part (a turn's tool results before "
-        f"anything else of the conversation): move envelope.parts[{m}] after the results, or "
-        f"the result before it; a route of the Responses API, which pairs a result with its "
-        f"call wherever it stands, takes it as it is")
+        f"envelope.parts[{m}] on route {route!r}, which sends the empty answer text {texts} "
+        f"back with the thought signature it wrote, a model turn of its own: "
+        f"{_PLACE_RULES[protocol]}",
+        f"{fix}; or leave out the empty text and the reasoning part before it (another route "
+        f"leaves them out)", route=route)
 
 
-def require_answered(protocol: WireProtocol, parts: Sequence[Part]) -> None:
+def require_answered(protocol: WireProtocol, parts: Sequence[Part],
+                     route: str | None = None) -> None:
     """Refuse a call without its result or a result without its call, on ``protocol``.
 
-    The refusals are :func:`unanswered_refusals`'.
+    The refusals are :func:`unanswered_refusals`' (``route``: the id of the route the request
+    is built for, whose own reasoning may change what is sent).
 
     Raises:
         InvalidArgument: naming ``envelope.parts[index]`` of the call (or of the result).
     """
     for refusal in unanswered_refusals(parts):
-        if protocol in refusal.protocols:
+        if refusal.refuses(protocol, route):
             raise refusal.error()
 
 
@@ -999,9 +1173,13 @@ def uncarried(envelope: Envelope) -> tuple[Uncarried, ...]:
     return tuple(out)
 
 
-def refusals_for(protocol: WireProtocol, found: Sequence[Uncarried]) -> list[Uncarried]:
-    """Those of ``found`` (from :func:`uncarried`) a route of ``protocol`` cannot carry."""
-    return [u for u in found if protocol in u.protocols]
+def refusals_for(protocol: WireProtocol, found: Sequence[Uncarried],
+                 route: str | None = None) -> list[Uncarried]:
+    """Those of ``found`` (from :func:`uncarried`) a route of ``protocol`` cannot carry.
+
+    ``route``: that route's id, for the refusals of one route only (:attr:`Uncarried.route`).
+    """
+    return [u for u in found if u.refuses(protocol, route)]
 
 
 __all__ = [

@@ -19,17 +19,18 @@ import httpx
 import pytest
 
 from ledger.adapters import HttpAdapter, TextDelta, openai
-from ledger.adapters.contract import TOOL_FILES_TEXT, wire_order
+from ledger.adapters.contract import TOOL_FILES_TEXT, reasoning_data, wire_order
 from ledger.adapters.runner import output_parts
 from ledger.decide.classify import classify
 from ledger.domain.carried import files_alone as results_of_files_alone
-from ledger.domain.carried import unanswered_refusals
+from ledger.domain.carried import refusals_for, unanswered_refusals, uncarried
 from ledger.domain.envelope import Envelope, Part, ToolSpec
 from ledger.domain.facts import Category, Phase, WireProtocol
 from ledger.domain.media import REASONING_MEDIA_TYPE
 from ledger.errors import InvalidArgument
 from ledger.policy.load import preset
 from ledger.testing import Behavior, FakeProvider, Fault
+from ledger.testing.fakewire import thought_signature
 from tests.media import pdf, png
 
 from .conftest import PROFILE, PROTOCOLS, make_route
@@ -198,6 +199,31 @@ _RESULT_A, _RESULT_B = ({"type": "tool_result", "tool_use_id": c, "content": c.u
         {"type": "function_call", "call_id": "a", "name": "f", "arguments": "{}"},
         {"type": "function_call_output", "call_id": "a", "output": "A"},
         {"type": "message", "role": "user", "content": "Again?"},
+        {"type": "function_call_output", "call_id": "a", "output": "A"}]},
+     "Duplicate function_call_output for call_id 'a'"),
+    # Two calls of one id: in one turn, and (Anthropic, Responses) one in each of two turns.
+    ("openai", {"model": "m", "messages": [
+        {"role": "user", "content": "Go."}, {"role": "assistant", "content": None,
+                                             "tool_calls": [_CALL_A, _CALL_A]},
+        {"role": "tool", "tool_call_id": "a", "content": "A"},
+        {"role": "tool", "tool_call_id": "a", "content": "A"}]},
+     "Duplicate value for 'tool_call_id' of 'a' in messages[2] and messages[3]"),
+    ("anthropic", {"model": "m", "max_tokens": 10, "messages": [
+        {"role": "user", "content": "Go."}, {"role": "assistant", "content": [
+            _TOOL_USE_AB["content"][0], _TOOL_USE_AB["content"][0]]},
+        {"role": "user", "content": [_RESULT_A, _RESULT_A]}]},
+     "messages.1.content.1: `tool_use` ids must be unique"),
+    ("anthropic", {"model": "m", "max_tokens": 10, "messages": [
+        {"role": "user", "content": "Go."}, _TOOL_USE_AB,
+        {"role": "user", "content": [_RESULT_A, _RESULT_B, {"type": "text", "text": "Again."}]},
+        {"role": "assistant", "content": [_TOOL_USE_AB["content"][0]]},
+        {"role": "user", "content": [_RESULT_A]}]},
+     "messages.3.content.0: `tool_use` ids must be unique"),
+    ("openai_responses", {"model": "m", "input": [
+        {"type": "function_call", "call_id": "a", "name": "f", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "a", "output": "A"},
+        {"type": "message", "role": "user", "content": "Again."},
+        {"type": "function_call", "call_id": "a", "name": "f", "arguments": "{}"},
         {"type": "function_call_output", "call_id": "a", "output": "A"}]},
      "Duplicate function_call_output for call_id 'a'"),
     # An empty text block, and a file in a tool_result checked as one anywhere else.
@@ -617,21 +643,117 @@ async def test_a_second_result_of_an_answered_call_is_refused_before_sending(
                                                            sent.observation)
 
 
+def fetch_call(call_id: str, n: int) -> list[Part]:
+    """A call of ``fetch`` with id ``call_id`` (its ``n``-th) and its result right after it."""
+    return [Part(role="assistant", content=f'{{"n": {n}}}', tool_call_id=call_id, name="fetch",
+                 data_class="model_derived"),
+            Part(role="tool", content=f"fetched {n}", tool_call_id=call_id, name="fetch",
+                 data_class="tool_result")]
+
+
 @pytest.mark.parametrize("protocol", PROTOCOLS)
-async def test_a_call_id_reused_in_a_later_turn_is_a_new_call_with_its_own_result(
+async def test_a_call_id_reused_in_a_later_turn_is_refused_where_the_request_holds_each_id_once(
         adapter: HttpAdapter, fake: FakeProvider, protocol: str) -> None:
-    # Frameworks that number calls per turn (call_0, call_0, ...) reuse an id: each result
-    # answers the latest call of its id before it, so none of them is a repeat.
-    def turn(n: int) -> list[Part]:
-        return [Part(role="assistant", content="{}", tool_call_id="call_0", name="fetch",
-                     data_class="model_derived"),
-                Part(role="tool", content=f"fetched {n}", tool_call_id="call_0",
-                     name="fetch", data_class="tool_result")]
-    parts = [Part(content="Fetch it."), *turn(1), REPLIED, THEN, *turn(2), THEN]
-    assert unanswered_refusals(parts) == []
+    # Frameworks that number calls per answer (call_0, call_0, ...) reuse an id across turns.
+    # Anthropic ("`tool_use` ids must be unique") and the Responses API ("Duplicate
+    # function_call_output for call_id") answer a 400, as the fake does; chat completions reads
+    # each turn's tool messages against the assistant message before them, and Gemini's calls
+    # carry no id: they take it, each result answering the call of its turn.
+    parts = [Part(content="Fetch it."), *fetch_call("call_0", 1), REPLIED, THEN,
+             *fetch_call("call_0", 2), THEN]
+    if protocol in ("anthropic", "openai_responses"):
+        with pytest.raises(InvalidArgument) as info:
+            await send(adapter, fake, protocol, Envelope(parts=parts))
+        assert info.value.field == "envelope.parts[5]"
+        message = str(info.value)
+        assert ("tool call 'call_0' (fetch) has the id of another tool call in an earlier "
+                "turn, envelope.parts[1]") in message, message
+        assert "give each tool call an id of its own" in message
+        assert fake.requests == []
+        # Each call with an id of its own, the provider takes the request.
+        parts[5:7] = fetch_call("call_1", 2)
     sent, _ = await send(adapter, fake, protocol, Envelope(parts=parts))
     assert fake.requests[-1].problem is None and sent.ok, (fake.requests[-1].problem,
                                                            sent.observation)
+
+
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+async def test_two_calls_of_one_id_in_a_turn_are_refused_before_sending_where_ids_are_sent(
+        adapter: HttpAdapter, fake: FakeProvider, protocol: str) -> None:
+    # Two tool_use blocks of one id are a 400 on Anthropic ("`tool_use` ids must be unique"),
+    # two tool messages of one id after an assistant message on chat completions ("Duplicate
+    # value for 'tool_call_id'"), two outputs of one call_id on the Responses API ("Duplicate
+    # function_call_output"): refused before an Attempt is begun. Gemini's calls carry no id.
+    first, second = fetch_call("call_0", 1), fetch_call("call_0", 2)
+    parts = [Part(content="Fetch both."), first[0], second[0], first[1], second[1], THEN]
+    if protocol == "gemini":
+        sent, _ = await send(adapter, fake, protocol, Envelope(parts=parts))
+        assert fake.requests[-1].problem is None and sent.ok, fake.requests[-1].problem
+        return
+    with pytest.raises(InvalidArgument) as info:
+        await send(adapter, fake, protocol, Envelope(parts=parts))
+    assert info.value.field == "envelope.parts[2]"
+    message = str(info.value)
+    assert ("tool call 'call_0' (fetch) has the id of another tool call in the same turn, "
+            "envelope.parts[1]") in message, message
+    assert "give each tool call an id of its own" in message
+    assert fake.requests == []
+    parts[2], parts[4] = fetch_call("call_1", 2)
+    sent, _ = await send(adapter, fake, protocol, Envelope(parts=parts))
+    assert fake.requests[-1].problem is None and sent.ok, fake.requests[-1].problem
+
+
+def gemini_text_signature(route: Any) -> Part:
+    """The thought signature ``route`` (model m1) wrote for an answer's text, as the part that
+    carries it back: Gemini returns an empty text part to carry one."""
+    item = {"part": "text", "thoughtSignature": thought_signature("m1", "text", "I thought.")}
+    return Part(role="assistant", data=reasoning_data(route, item),
+                media_type=REASONING_MEDIA_TYPE, data_class="model_derived")
+
+
+SAID_NOTHING = Part(role="assistant", content="", data_class="model_derived")
+
+
+async def test_a_signed_empty_gemini_text_between_a_call_and_its_result_is_refused_on_its_route(
+        adapter: HttpAdapter, fake: FakeProvider) -> None:
+    # The route that wrote the signature sends the empty text back with it: a model turn of its
+    # own between the call's turn and the result's, which Gemini answers with a 400 ("function
+    # response turn comes immediately after a function call turn"). It was taken for left out,
+    # as an empty text is, and sent. Another Gemini route leaves both out, and is sent it.
+    question, call, _, result = files_alone().parts[:4]
+    route = make_route(fake.endpoint("gemini"), "gemini")
+    parts = [question, call, ASKS, gemini_text_signature(route), SAID_NOTHING, result]
+    with pytest.raises(InvalidArgument) as info:
+        await send(adapter, fake, "gemini", Envelope(parts=parts))
+    assert info.value.field == "envelope.parts[1]"
+    message = str(info.value)
+    assert ("'call_a' (fetch) has its result, envelope.parts[5], sent after envelope.parts[4] "
+            "on route 'r-gemini', which sends the empty answer text envelope.parts[4] back with "
+            "the thought signature it wrote") in message, message
+    assert "leave out the empty text and the reasoning part before it" in message
+    assert fake.requests == []
+    refused = refusals_for(WireProtocol.GEMINI, uncarried(Envelope(parts=parts)), "r-gemini")
+    assert [r.field for r in refused] == ["envelope.parts[1]"]
+    assert refusals_for(WireProtocol.GEMINI, uncarried(Envelope(parts=parts)), "other") == []
+    sent, _ = await send(adapter, fake, "gemini", Envelope(parts=parts), id="other")
+    assert fake.requests[-1].problem is None and sent.ok, fake.requests[-1].problem
+    assert "thoughtSignature" not in json.dumps(fake.requests[-1].json)
+
+
+async def test_a_signed_empty_gemini_text_in_the_calls_own_turn_goes_back_with_the_call(
+        adapter: HttpAdapter, fake: FakeProvider) -> None:
+    # After the call in its own answer's turn, the empty text is part of that model turn: the
+    # result follows the turn, as Gemini reads it, and the signature goes back on the text.
+    question, call, _, result = files_alone().parts[:4]
+    route = make_route(fake.endpoint("gemini"), "gemini")
+    parts = [question, call, gemini_text_signature(route), SAID_NOTHING, result, THEN]
+    assert refusals_for(WireProtocol.GEMINI, uncarried(Envelope(parts=parts)), "r-gemini") == []
+    sent, _ = await send(adapter, fake, "gemini", Envelope(parts=parts))
+    assert fake.requests[-1].problem is None and sent.ok, fake.requests[-1].problem
+    model_turn = fake.requests[-1].json["contents"][1]
+    assert model_turn["role"] == "model"
+    assert [sorted(p) for p in model_turn["parts"]] == [["functionCall"],
+                                                        ["text", "thoughtSignature"]]
 
 
 def test_a_gemini_result_without_an_id_answers_the_call_of_its_turn_in_every_refusal() -> None:

@@ -4,7 +4,9 @@ A codec cannot map an assistant tool-call part without ``name`` or whose content
 object (no protocol), a ``tool`` part without ``tool_call_id`` (chat completions, Responses,
 Anthropic) or without ``name`` (Gemini), an envelope of system parts alone (Responses, Anthropic,
 Gemini), a tool call without its result (the conversation going on after it: every protocol;
-ending the request: chat completions), a tool result without its call before it (every protocol)
+ending the request: chat completions), a tool result without its call before it (every protocol),
+a tool call id used twice (in one turn: all but Gemini; in two: Anthropic and Responses), a
+signed empty Gemini text between a call and its result (the route that wrote the signature)
 and, on the Responses API, a ``params["tools"]`` that is not a list of built-in tools. A route
 that cannot build the request is ineligible (preflight, capability); a request no route of its
 plan can build is bad input, refused with ``InvalidArgument`` naming the field before anything
@@ -33,11 +35,13 @@ from ledger import (
     Part,
     Route,
 )
-from ledger.adapters.contract import _CODECS, WireRequest, register_codec
+from ledger.adapters.contract import _CODECS, WireRequest, reasoning_data, register_codec
 from ledger.adapters.openai import OpenAICodec
 from ledger.api.session import RunSession
 from ledger.domain.facts import WireProtocol
+from ledger.domain.media import REASONING_MEDIA_TYPE
 from ledger.testing import FakeProvider, Fault
+from ledger.testing.fakewire import thought_signature
 from tests import fakeplan
 from tests.fakeplan import PRICE, plan
 
@@ -133,6 +137,14 @@ RESULT_WITHOUT_CALL_ID = Part(role="tool", content="12 C", name="weather",
 RESULT_WITHOUT_NAME = Part(role="tool", content="12 C", tool_call_id="call_1",
                            data_class="tool_result")
 SYSTEM_ONLY = [Part(role="system", content="You answer about the weather.")]
+# The id call_1 again, for another call (a framework that numbers the calls of each answer).
+WEATHER_AGAIN = Part(role="assistant", content='{"city": "Bergen"}', tool_call_id="call_1",
+                     name="weather", data_class="model_derived")
+NINE = Part(role="tool", content="9 C", tool_call_id="call_1", name="weather",
+            data_class="tool_result")
+IN_OSLO = Part(role="assistant", content="12 C in Oslo.", data_class="model_derived")
+AGAIN_LATER = [QUESTION, WEATHER, TWELVE, IN_OSLO, BERGEN, WEATHER_AGAIN, NINE]
+AGAIN_AT_ONCE = [QUESTION, WEATHER, WEATHER_AGAIN, TWELVE, NINE]
 
 
 @pytest.mark.parametrize(("parts", "refuser", "carrier", "field"), [
@@ -146,6 +158,13 @@ SYSTEM_ONLY = [Part(role="system", content="You answer about the weather.")]
     (SYSTEM_ONLY, "openai_responses", "openai", "envelope.parts"),
     # A call that ends the request without its result: chat completions refuses it.
     ([QUESTION, WEATHER], "openai", "anthropic", "envelope.parts[1]"),
+    # A call id used again in a later turn: Anthropic and the Responses API refuse it.
+    (AGAIN_LATER, "anthropic", "openai", "envelope.parts[5]"),
+    (AGAIN_LATER, "openai_responses", "gemini", "envelope.parts[5]"),
+    # Two calls of one id in a turn: every protocol that sends the id refuses it.
+    (AGAIN_AT_ONCE, "openai", "gemini", "envelope.parts[2]"),
+    (AGAIN_AT_ONCE, "anthropic", "gemini", "envelope.parts[2]"),
+    (AGAIN_AT_ONCE, "openai_responses", "gemini", "envelope.parts[2]"),
 ])
 def test_a_route_whose_protocol_cannot_build_the_request_is_skipped_without_an_attempt(
         db_url: str, fake: FakeProvider, parts: list[Part], refuser: str, carrier: str,
@@ -201,6 +220,40 @@ def test_a_route_whose_provider_reads_no_result_where_it_stands_is_skipped_for_o
         with pytest.raises(InvalidArgument) as ei:
             run.turn(Envelope(parts=[_covered(led, run, p) for p in parts]))
         assert ei.value.field == "envelope.parts[1]" and "sent after" in str(ei.value)
+        _recorded_nothing(led, fake, "only")
+
+
+def test_the_gemini_route_whose_signed_empty_text_splits_a_call_from_its_result_is_skipped(
+        db_url: str, fake: FakeProvider) -> None:
+    """Gemini returns an empty text part to carry a thought signature, and the route that wrote
+    it sends both back: put between a call and its result, that text is a model turn of its
+    own, which Gemini answers with a 400 ("function response turn comes immediately after a
+    function call turn"). That route is skipped (capability, naming the call and the text) with
+    no Attempt; another Gemini route leaves both out and serves the request. A plan of the
+    writer alone refuses the request, nothing recorded."""
+    primary = _route(fake, "primary", "gemini", "ga")
+    signature = Part(role="assistant", data=reasoning_data(primary, {
+        "part": "text", "thoughtSignature": thought_signature("primary-model", "text", "hm")}),
+        media_type=REASONING_MEDIA_TYPE, data_class="model_derived")
+    said_nothing = Part(role="assistant", content="", data_class="model_derived")
+    parts = (QUESTION, WEATHER, BERGEN, signature, said_nothing, TWELVE)
+    routes = [primary, _route(fake, "backup", "gemini", "gb")]
+    with Ledger.open(db_url) as led, led.run("t", plan=routes, budget=BUDGET,
+                                              grant=GRANT) as run:
+        result = run.turn(Envelope(parts=[_covered(led, run, p) for p in parts]))
+        skip = _served_past_primary(led, result)
+        assert skip["detail"].startswith(
+            "envelope.parts[1]: tool call 'call_1' (weather) has its result, envelope.parts[5], "
+            "sent after envelope.parts[4] on route 'primary', which sends the empty answer text "
+            "envelope.parts[4] back with the thought signature it wrote"), skip["detail"]
+    assert [r.model for r in fake.requests] == ["backup-model"]
+    assert fake.requests[0].problem is None
+    fake.clear()
+    with Ledger.open(db_url) as led, led.run("only", plan=[primary], budget=BUDGET,
+                                              grant=GRANT) as run:
+        with pytest.raises(InvalidArgument) as ei:
+            run.turn(Envelope(parts=[_covered(led, run, p) for p in parts]))
+        assert ei.value.field == "envelope.parts[1]" and "on route 'primary'" in str(ei.value)
         _recorded_nothing(led, fake, "only")
 
 
