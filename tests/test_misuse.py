@@ -530,6 +530,10 @@ CASES: list[Case] = [
       lambda f: _enter(f.session.child("c1", budget={"max_calls": 1, "max_retries": 0,
                                                      "max_cost": "-0.5"}))),
     # -- audit, recovery, adapters ------------------------------------------------------------
+    # The bounds of `failover-ledger rollup --lag` and `--fold-after`, the library's too.
+    C("roll up lag past a week", "lag", "(7 days)", lambda f: f.L.roll_up(lag=7 * 86400 + 1)),
+    C("roll up fold_after past 366 days", "fold_after", "(366 days)",
+      lambda f: f.L.roll_up(fold_after=366 * 86400 + 1)),
     C("audit runs bad status", "status", "one of", lambda f: f.audit.runs(status="done")),
     C("audit runs until before since", "until", "since <= until",
       lambda f: f.audit.runs(since=T0, until=T0 - 1)),

@@ -16,7 +16,12 @@ from typing_extensions import TypedDict
 
 from ledger.clock import Clock
 from ledger.decide.admission import Admission
-from ledger.domain.bounds import MAX_LEASE_TTL_S
+from ledger.domain.bounds import (
+    DEFAULT_FOLD_AFTER_S,
+    MAX_FOLD_AFTER_S,
+    MAX_LAG_S,
+    MAX_LEASE_TTL_S,
+)
 from ledger.domain.facts import Category
 from ledger.domain.records import AttemptState
 from ledger.domain.validation import (
@@ -119,6 +124,15 @@ SendTime = Annotated[float, duration(MAX_SEND_S)]
 """Seconds from an Attempt's begin to its first byte or token: finite, from 0 to a day."""
 LeaseTtl = Annotated[float, duration(MAX_LEASE_TTL_S, positive=True)]
 """How long a lease lasts: above 0, at most 86 400 s (and above the lease margin)."""
+RollupLag = Annotated[float, duration(MAX_LAG_S, fix=(
+    f"pass seconds from 0 to {MAX_LAG_S:.0f} ({MAX_LAG_S / 86_400:g} days), e.g. 300 (the "
+    "default) or 3600"))]
+"""How long after its end an hour is rolled up: seconds from 0 to a week."""
+FoldAfter = Annotated[float, duration(MAX_FOLD_AFTER_S, fix=(
+    f"pass seconds from 0 to {MAX_FOLD_AFTER_S:.0f} ({MAX_FOLD_AFTER_S / 86_400:g} days), e.g. "
+    f"{DEFAULT_FOLD_AFTER_S:.0f} ({DEFAULT_FOLD_AFTER_S / 86_400:g} days, the default), or None "
+    "to fold nothing"))]
+"""How long after its end a day is folded: seconds from 0 to 366 days."""
 Limit = Annotated[int, integers(1, 10_000, "pass an integer from 1 to 10000, e.g. 100, and "
                                 "page on with next_cursor")]
 """A page size."""

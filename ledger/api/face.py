@@ -34,15 +34,16 @@ from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Generic, TypeVar, Un
 from pydantic import SkipValidation, StrictStr
 
 from ledger.api.arguments import (
-    MAX_RETENTION_S,
     AttemptFilters,
     AuditData,
     ClockArg,
     EventKind,
     Events,
+    FoldAfter,
     Hash,
     Hashes,
     LeaseTtl,
+    RollupLag,
     RouteRef,
     SendTime,
     SessionOptions,
@@ -1354,10 +1355,9 @@ class Face(Generic[SessionT, OpenedT]):
             older_than, self.clock.now, by=who, reason=reason, dry_run=dry_run)))
 
     @op
-    def roll_up(self, *, lag: Annotated[float, duration(MAX_RETENTION_S)] = 300.0,
+    def roll_up(self, *, lag: RollupLag = 300.0,
                 max_hours: Annotated[int, integers(1)] | None = None,
-                fold_after: Annotated[float, duration()] | None = DEFAULT_FOLD_AFTER_S
-                ) -> Flow[Rollup]:
+                fold_after: FoldAfter | None = DEFAULT_FOLD_AFTER_S) -> Flow[Rollup]:
         """Roll up the history's finished hours, for the audit's totals (a job: cron it).
 
         Run it every few minutes (``failover-ledger rollup`` from cron, or a scheduler).
@@ -1382,20 +1382,23 @@ class Face(Generic[SessionT, OpenedT]):
 
         Args:
             lag: How long after its end an hour is rolled up, in seconds (default 300: an
-                hour still being settled would be rolled and undone again); at most 36 500
-                days, as a retention age (a longer one ends the hours to roll before 1970).
+                hour still being settled would be rolled and undone again); at most 7 days
+                (:data:`~ledger.domain.bounds.MAX_LAG_S`: a longer one only leaves the sums
+                unwritten, and is a slip of the unit), as ``failover-ledger rollup --lag``.
             max_hours: Roll up at most this many hours in this call (the oldest; the rest
                 are ``pending`` in the report). Default: every hour due.
             fold_after: How long after its end a day is folded, in seconds (default 8 days:
-                the dashboard's charts of up to a week count in buckets of hours); ``None``:
-                fold nothing.
+                the dashboard's charts of up to a week count in buckets of hours); at most
+                366 days (:data:`~ledger.domain.bounds.MAX_FOLD_AFTER_S`, as ``rollup
+                --fold-after``); ``None``: fold nothing.
 
         Returns:
             The :class:`~ledger.domain.records.Rollup` report.
 
         Raises:
-            InvalidArgument: ``lag`` or ``fold_after`` is not finite seconds from 0 (``lag``
-                up to 36 500 days), ``max_hours`` is not an integer of at least 1.
+            InvalidArgument: ``lag`` is not seconds from 0 to 7 days, ``fold_after`` not
+                seconds from 0 to 366 days (nor ``None``), ``max_hours`` not an integer of at
+                least 1.
 
         Example:
             >>> led.roll_up()  # doctest: +SKIP

@@ -30,7 +30,7 @@ from typing import Any
 
 from ledger.cli.common import PROG, add_who_and_why, operator_name
 from ledger.cli.progress import Progress, wanted
-from ledger.domain.bounds import DEFAULT_FOLD_AFTER_S, MAX_TIME
+from ledger.domain.bounds import DEFAULT_FOLD_AFTER_S, MAX_FOLD_AFTER_S, MAX_LAG_S, MAX_TIME
 from ledger.domain.timefmt import data_text, iso, relative, when
 from ledger.errors import DatabaseSetupError, InvalidArgument
 
@@ -893,19 +893,12 @@ def _retention(args: argparse.Namespace) -> int:
     return 0
 
 
-#: The longest ``rollup --lag``: a week. The lag keeps an hour still being settled from being
-#: rolled and undone again, which minutes do (a later write undoes a roll-up anyway); a longer
-#: one only leaves the cheap sums unwritten (36500d: nothing ever rolled or folded) and is a slip
-#: of the unit (an hour written in milliseconds, 3600000, is 41 days).
-MAX_LAG_S = 7 * 86_400.0
-#: The longest ``rollup --fold-after``: 366 days. A fold keeps the totals' answers and only
-#: merges an old day's hours, so a longer wait means no fold ('never' says so), and is a slip of
-#: the unit (the default 8 days written in milliseconds, 691200000, is 8,000 days).
-MAX_FOLD_AFTER_S = 366 * 86_400.0
-
-
 def _span_within(text: str, field: str, most: float, fix: str) -> float:
-    """:func:`_span`, from 0 to ``most`` seconds; else the flag's refusal naming the bound."""
+    """:func:`_span`, from 0 to ``most`` seconds; else the flag's refusal naming the bound.
+
+    ``most`` is the library's own bound (``Ledger.roll_up`` refuses past it too); checked here
+    so the refusal speaks of the flag and of spans such as ``2d``, not of a keyword in
+    seconds."""
     span = _span(text, field)
     if not 0 <= span <= most:  # NaN and the infinities too
         raise InvalidArgument(f"--{field} {text!r} is not a span from 0 to {most / 86_400:g} "

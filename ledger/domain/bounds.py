@@ -45,6 +45,17 @@ DEFAULT_LEASE_MARGIN_S = 0.5
 #: attempts over 70 days this keeps every whole-history read under 100 ms
 #: (docs/benchmarks.md), where 32 days left the totals at 111-119 ms.
 DEFAULT_FOLD_AFTER_S = 8 * 86_400.0
+#: The longest ``lag`` of :meth:`ledger.Ledger.roll_up` (``rollup --lag``): a week. The lag
+#: keeps an hour still being settled from being rolled and undone again, which minutes do (a
+#: later write undoes a roll-up anyway); a longer one only leaves the cheap sums unwritten
+#: (36 500 days: nothing ever rolled or folded) and is a slip of the unit (an hour written in
+#: milliseconds, 3600000, is 41 days).
+MAX_LAG_S = 7 * 86_400.0
+#: The longest ``fold_after`` of :meth:`ledger.Ledger.roll_up` (``rollup --fold-after``): 366
+#: days. A fold keeps the totals' answers and only merges an old day's hours, so a longer wait
+#: means no fold (``None``, ``never``, says so), and is a slip of the unit (the default 8 days
+#: written in milliseconds, 691200000, is 8,000 days).
+MAX_FOLD_AFTER_S = 366 * 86_400.0
 MAX_FENCE = 2**62  # a lease's fence: a bigint on both backends, with room to grow
 MAX_TIME = 1e11
 #: The most labels a Run may carry. Every Attempt row copies the Run's labels (the audit totals

@@ -268,9 +268,13 @@ def _finite(value: Any) -> float | None:
     return v if math.isfinite(v) else None
 
 
-def duration(maximum: float = math.inf, *, positive: bool = False) -> Rule[float]:
-    """Finite seconds in ``[0, maximum]`` (``(0, maximum]`` with ``positive``), as a float."""
-    fix = f"pass a finite number of seconds {'above 0' if positive else 'from 0'}" + (
+def duration(maximum: float = math.inf, *, positive: bool = False,
+             fix: str | None = None) -> Rule[float]:
+    """Finite seconds in ``[0, maximum]`` (``(0, maximum]`` with ``positive``), as a float.
+
+    ``fix`` says what to pass instead (default: the range in seconds).
+    """
+    fix = fix or f"pass a finite number of seconds {'above 0' if positive else 'from 0'}" + (
         f" up to {maximum:g}" if math.isfinite(maximum) else "")
 
     def check(value: Any) -> float:

@@ -17,6 +17,7 @@ from sqlalchemy import create_engine, text
 from ledger import Budget, InvalidArgument, Ledger
 from ledger.cli.main import main
 from ledger.clock import ManualClock
+from ledger.domain.bounds import MAX_FOLD_AFTER_S, MAX_LAG_S
 from ledger.ops.audit import Audit, to_jsonable
 from ledger.storage.engine import normalize_url
 from ledger.storage.hours import CARRIED_HOUR, hour_of
@@ -383,6 +384,34 @@ def test_a_rollup_refuses_bad_arguments_by_name(tmp_path: Any, kwargs: dict[str,
         with pytest.raises(InvalidArgument) as err:
             led.roll_up(**kwargs)
         assert err.value.fields.get("field") == field
+
+
+def test_roll_up_refuses_past_the_rollup_commands_bounds_on_both_databases(
+        db_url: str) -> None:
+    """``roll_up(lag=36500 days)`` and any ``fold_after`` were taken where ``rollup --lag``
+    stops at a week and ``--fold-after`` at 366 days: the library keeps the same bounds (one
+    definition), refused by name with the fix in seconds, before anything is written."""
+    led = _generated(db_url)
+    try:
+        for kwargs, fix in (
+                ({"lag": MAX_LAG_S + 1}, "pass seconds from 0 to 604800 (7 days)"),
+                ({"lag": 36_500 * 86_400.0}, "pass seconds from 0 to 604800 (7 days)"),
+                ({"lag": 3_600_000}, "pass seconds from 0 to 604800 (7 days)"),  # 1 h in ms
+                ({"fold_after": MAX_FOLD_AFTER_S + 1},
+                 "pass seconds from 0 to 31622400 (366 days)"),
+                ({"fold_after": 691_200_000}, "or None to fold nothing")):  # 8 days in ms
+            with pytest.raises(InvalidArgument) as err:
+                led.roll_up(**kwargs)
+            field = next(iter(kwargs))
+            assert err.value.field == field, (kwargs, err.value)
+            assert str(err.value).startswith(f"invalid {field}: ") and fix in str(err.value), \
+                (kwargs, str(err.value))
+        assert _rolled(db_url) == set()
+        # The bounds themselves are taken: a week's lag leaves these ten hours for later.
+        assert led.roll_up(lag=MAX_LAG_S, fold_after=MAX_FOLD_AFTER_S).hours == 0
+        assert led.roll_up(lag=0, fold_after=MAX_FOLD_AFTER_S).hours >= 10
+    finally:
+        led.close()
 
 
 def test_the_rollup_command_reports_what_it_did(tmp_path: Any, capsys: Any) -> None:
