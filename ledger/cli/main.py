@@ -145,13 +145,25 @@ def _options_of(parser: argparse.ArgumentParser, func: object) -> dict[str, str]
 def _in_flag_words(e: Exception, args: argparse.Namespace,
                    parser: argparse.ArgumentParser) -> str:
     """The error as the command line reads it: the library's ``invalid lease_ttl_s: ...``
-    of a value the command passed from a flag says ``--ttl ...``."""
+    of a value the command passed from a flag says ``--ttl ...``, and its ``read_url: ...``
+    and ``read_url must be ...`` say ``--read-url: ...`` and ``--read-url must be ...``."""
     text = str(e)
     field = getattr(e, "field", None)
-    if isinstance(e, InvalidArgument) and field and text.startswith(f"invalid {field}: "):
+    if not isinstance(e, InvalidArgument) or not field:
+        return text
+    if text.startswith(f"invalid {field}: "):
         flag = _options_of(parser, getattr(args, "func", None)).get(_FLAG_OF.get(field, field))
         if flag is not None:
             return f"{flag} {text[len(f'invalid {field}: '):]}"
+        return text
+    # A URL's refusal leads with the library's keyword instead (the URL as a whole cannot be
+    # used). Only the global options' (whose value the library takes as given, whether from
+    # the flag or from $LEDGER_READ_URL): a command's own flag may lead a sentence that goes on
+    # in the library's other keywords ("since ... must be before until ...").
+    flag = {a.dest: a.option_strings[-1] for a in parser._actions if a.option_strings
+            }.get(field)
+    if flag is not None and text.startswith(field) and text[len(field):][:1] in (":", " "):
+        return flag + text[len(field):]
     return text
 
 

@@ -980,6 +980,36 @@ def test_a_read_url_for_a_sqlite_ledger_is_refused_naming_the_flag(sqlite_url: s
     assert len(res.stderr.splitlines()) == 1 and "drop --read-url" in res.stderr, res.stderr
 
 
+@pytest.mark.parametrize(("read_url", "says"), [
+    ("replica.db", "--read-url must be the postgresql+psycopg:// URL of a replica"),
+    ("mysql://u@127.0.0.1/db", "--read-url: unsupported database backend 'mysql'"),
+    ("postgresql+psycopg://u@127.0.0.1:5/", "--read-url: postgresql+psycopg://u@127.0.0.1:5/ "
+     "names no database")])
+def test_a_read_url_the_library_refuses_is_told_by_the_flag_not_the_librarys_keyword(
+        read_url: str, says: str, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The library's ``read_url: ...`` and ``read_url must be ...`` of a value from --read-url
+    (or $LEDGER_READ_URL) read ``--read-url ...``: a command line has no read_url. Refused
+    before any connection (nothing listens at the primary's port)."""
+    from ledger.testing.pgserver import free_port
+
+    monkeypatch.chdir(tmp_path)
+    db = f"postgresql+psycopg://u@127.0.0.1:{free_port()}/ledger"
+    for argv, env in (([f"--read-url={read_url}", "runs"], None),
+                      (["runs", "--read-url", read_url], None),
+                      (["dashboard", "--read-url", read_url], None),
+                      (["runs"], read_url)):
+        if env is not None:
+            monkeypatch.setenv("LEDGER_READ_URL", env)
+        assert main(["--db", db, *argv]) == 2, argv
+        captured = capsys.readouterr()
+        assert captured.out == "" and captured.err.count("\n") == 1, (argv, captured)
+        assert captured.err.startswith(f"failover-ledger: error: {says}"), (argv, captured.err)
+        # (The folder of replica.db is named after this test.)
+        assert "read_url" not in captured.err.replace(str(tmp_path), "."), (argv, captured.err)
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_a_bad_flag_value_is_told_by_the_flag_not_the_librarys_argument(sqlite_url: str
                                                                          ) -> None:
     """The library's ``invalid lease_ttl_s: ...`` of a value the command passed from --ttl
