@@ -20,7 +20,8 @@ so a demo that started where the last one did would find the gateway still cooli
 health "sampled in the future") and tell another story than its headings: its simulated time
 starts after the latest instant the ledger holds instead (:func:`demo_start`), and each scenario
 first lets :data:`SCENARIO_GAP_S` of simulated time pass, longer than any cooldown or group
-floor the demo leaves.
+floor the demo leaves. Nothing it records (nor any cooldown it leaves) lies past the real "now":
+a demo that would not fit before it, after the earlier ones, is refused until it does.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from ledger.adapters.secrets import StaticSecretProvider
 from ledger.adapters.sync import SyncAdapter
 from ledger.api.facade import Ledger
 from ledger.api.turn import execute
+from ledger.clock import Clock, SystemClock
 from ledger.domain.envelope import MODEL_DERIVED, Envelope, Part
 from ledger.domain.facts import WireProtocol
 from ledger.domain.records import AttemptRecord
@@ -104,13 +106,15 @@ class SimulatedClock:
 
     It starts where :func:`demo_start` says: hours in the past on a new ledger, so everything
     the demo records lies before the real "now" that the operator commands read with afterwards.
+    ``wall`` is that real clock (:class:`~ledger.clock.SystemClock` unless a test injects one).
     """
 
-    def __init__(self, start_offset: float = 0.0) -> None:
+    def __init__(self, start_offset: float = 0.0, wall: Clock | None = None) -> None:
         self.offset = start_offset
+        self.wall = wall or SystemClock()
 
     def now(self) -> float:
-        return time.time() + self.offset
+        return self.wall.now() + self.offset
 
     def sleep(self, seconds: float) -> None:
         self.offset += max(0.0, seconds)
@@ -122,8 +126,9 @@ class SimulatedClock:
 DEMO_TENANT = "demo"
 
 
-def demo_ledger(db_url: str) -> float | None:
-    """Check that the demo may write into ``db_url``; returns the latest instant it holds.
+def demo_ledger(db_url: str, now: float) -> float | None:
+    """Check that the demo may write into ``db_url`` at ``now`` (the real clock's); returns the
+    latest instant it holds.
 
     A database that does not exist, or holds no tables or no run, is made a ledger by the demo;
     one that holds only earlier demo runs (tenant ``demo``) is written into as it is, keeping
@@ -131,7 +136,9 @@ def demo_ledger(db_url: str) -> float | None:
     none). A file holding anything else (other runs, another application's tables, or not a
     SQLite database at all: :func:`ledger.storage.engine.file_holds`, read without writing), or
     a PostgreSQL database holding other runs, is refused with :class:`InvalidArgument` naming
-    ``--db``: the demo never writes next to other history.
+    ``--db``: the demo never writes next to other history. So is a ledger whose earlier demo
+    runs leave no room for another before ``now`` (:func:`demo_start`): the demo never records
+    past the real now.
     """
     from ledger.api.face import storage_of
     from ledger.storage.audit import AuditQueries
@@ -168,28 +175,42 @@ def demo_ledger(db_url: str) -> float | None:
         raise InvalidArgument(f"the demo will not write into {where}: it holds runs other "
                               f"than the demo's (e.g. {other!r}); {fix}", field="db",
                               run_id=other)
+    if latest is not None and demo_start(now, latest) is None:
+        raise InvalidArgument(
+            f"the demo will not write into {where} yet: its earlier demo runs reach "
+            f"{iso(latest)}, and another ({DEMO_SPAN_S // 3600:.0f} h "
+            f"{DEMO_SPAN_S % 3600 // 60:.0f} min of simulated time after them) would record "
+            f"past the real now; run it again after "
+            f"{iso(latest + DEMO_SPAN_S)}, or {fix}", field="db")
     return latest
 
 
 #: Where a demo's simulated time starts on a ledger holding nothing later: hours back, so that
 #: what it records lies before the real "now" the operator commands read with afterwards, and
 #: inside their default window (the last 24 hours) for demos run again one after another (each
-#: takes about 3.25 hours of simulated time: six fit).
+#: takes about 3.25 hours of simulated time: five fit, with :data:`DEMO_SPAN_S` for the last).
 _HOURS_BACK = 20 * 3600.0
 #: The simulated time let pass before each scenario: longer than any cooldown or group floor
 #: the failure-domain policy leaves (each capped at an hour: ``health.cooldown.cap_s``,
 #: ``classification.retry_after_limit_s``), so each scenario starts on healthy routes; short
 #: enough that demos run again soon after another (each starts where the last one ended) still
-#: record before the real "now" (six take about 19.5 of the 20 hours).
+#: record before the real "now".
 SCENARIO_GAP_S = 65 * 60.0
+#: The simulated time a demo may take, from its start to the end of the last cooldown it
+#: leaves: a gap before each of its three scenarios, and a fourth for the scenarios' own waits
+#: (seconds) and what the last one leaves cooling (at most an hour, as above).
+DEMO_SPAN_S = 4 * SCENARIO_GAP_S
 
 
-def demo_start(now: float, latest: float | None) -> float:
+def demo_start(now: float, latest: float | None) -> float | None:
     """The instant a demo's simulated time starts at: :data:`_HOURS_BACK` before ``now``, or the
     ``latest`` instant the ledger holds (an earlier demo's) when that is later, so the new demo
-    never reads state from its own future. From the seventh demo run in quick succession on,
-    the records lie past the real ``now``; each demo still starts where the last one ended."""
-    return max(now - _HOURS_BACK, latest if latest is not None else -math.inf)
+    never reads state from its own future. ``None`` when a demo starting there would not end
+    (:data:`DEMO_SPAN_S`) by ``now``: demos run again in quick succession each start where the
+    last one ended, and the seventh recorded past the real "now" (``health`` then told of a
+    failure "in 28 s")."""
+    start = max(now - _HOURS_BACK, latest if latest is not None else -math.inf)
+    return start if start + DEMO_SPAN_S <= now else None
 
 
 def _free_suffix(led: Ledger) -> str:
@@ -203,18 +224,25 @@ def _free_suffix(led: Ledger) -> str:
             return suffix
 
 
-def run_demo(db_url: str, out: TextIO) -> list[str]:
+def run_demo(db_url: str, out: TextIO, wall: Clock | None = None) -> list[str]:
     """Run the three scenarios into ``db_url`` (see :func:`demo_ledger`), after anything
-    recorded there; returns the run ids written."""
-    latest = demo_ledger(db_url)
+    recorded there and before ``wall``'s now (the real clock by default); returns the run ids
+    written.
+
+    Raises :class:`InvalidArgument` (``field="db"``), writing nothing, when the earlier demo
+    runs there reach too close to now for another to fit before it (see :func:`demo_start`).
+    """
+    wall = wall or SystemClock()
+    now = wall.now()
+    latest = demo_ledger(db_url, now)
+    start = demo_start(now, latest)
+    assert start is not None  # demo_ledger refused a ledger that leaves no room
     if latest is not None:
         print("(the ledger holds earlier demo runs: they stay, and this demo's runs are new "
               "ones after them)", file=out)
-    now = time.time()
-    start = demo_start(now, latest)
     secrets = StaticSecretProvider({"go:demo": "demo-key-go", "deepseek:demo": "demo-key-ds"})
     run_ids: list[str] = []
-    clock = SimulatedClock(start_offset=start - now)
+    clock = SimulatedClock(start_offset=start - now, wall=wall)
     print("(simulated time: the demo's waits and cooldowns pass instantly, from "
           f"{iso(start)} on)", file=out)
     with FakeProvider().in_thread() as go, FakeProvider().in_thread() as official, \

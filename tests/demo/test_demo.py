@@ -5,6 +5,7 @@ and the stopped run's reasons in ``run show``."""
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import os
 import re
@@ -12,14 +13,20 @@ import sqlite3
 import subprocess
 import sys
 import time
+from datetime import datetime
 from pathlib import Path
 
 import pytest
 
 from ledger.api.facade import Ledger
+from ledger.api.face import storage_of
 from ledger.cli.main import main
+from ledger.clock import ManualClock
 from ledger.domain.records import AttemptState
 from ledger.domain.values import Budget, Price, Route
+from ledger.errors import InvalidArgument
+from ledger.storage.audit import AuditQueries
+from ledger.tools.demo import run_demo
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -106,6 +113,46 @@ def test_demo_run_again_on_a_ledger_of_earlier_demos_adds_new_runs_telling_the_s
         stamps = [t for r in third for a in led.timeline(r)
                   for t in (a.created_at, a.settled_at) if t is not None]
     assert stamps and all(time.time() - 24 * 3600 < t < time.time() for t in stamps)
+
+
+def _latest(url: str) -> float | None:
+    with Ledger.open(url, migrate_schema=False) as led:
+        return AuditQueries(storage_of(led).context).latest_instant()
+
+
+def test_demos_run_again_any_number_of_times_never_record_past_the_real_now(
+        db_url: str) -> None:
+    """Each demo starts where the earlier ones end, about 3.25 hours on: from the seventh in
+    quick succession on, a demo recorded past the real now (``health`` told of a failure "in
+    28 s"). However many are run at one real instant, nothing the ledger holds (a write, or a
+    cooldown it leaves) lies past it: the demos that fit tell the same story, the others are
+    refused naming --db and when one fits again, writing nothing; at that time one runs."""
+    real = ManualClock(1_800_000_000.0)  # demos run back to back: no real time passes
+    stories: list[str] = []
+    refused: list[str] = []
+    for _ in range(9):
+        before = _latest(db_url)
+        out = io.StringIO()
+        try:
+            run_demo(db_url, out, wall=real)
+        except InvalidArgument as e:
+            assert e.field == "db" and "--db" in str(e), str(e)
+            assert _latest(db_url) == before  # nothing written
+            refused.append(str(e))
+        else:
+            stories.append(_story(out.getvalue()))
+        latest = _latest(db_url)
+        assert latest is not None and latest <= real.now(), (len(stories), latest)
+    assert len(stories) >= 3 and len(set(stories)) == 1, stories
+    assert len(refused) == 9 - len(stories)
+    when = re.search(r"run it again after (\S+), or pass --db ", refused[-1])
+    assert when, refused[-1]
+    real.set(datetime.fromisoformat(when[1]).timestamp())
+    out = io.StringIO()
+    run_demo(db_url, out, wall=real)
+    assert _story(out.getvalue()) == stories[0]
+    latest = _latest(db_url)
+    assert latest is not None and latest <= real.now()
 
 
 def test_demo_into_a_ledger_db_init_just_made_replaces_nothing(tmp_path: Path) -> None:
