@@ -13,7 +13,16 @@ from decimal import Decimal
 
 import pytest
 
-from ledger import Budget, Envelope, FailoverExhausted, Grant, Ledger, Part, Route
+from ledger import (
+    Budget,
+    Envelope,
+    FailoverExhausted,
+    Grant,
+    Ledger,
+    ManualClock,
+    Part,
+    Route,
+)
 from ledger.domain.facts import WireProtocol
 from ledger.testing import FakeProvider, Fault
 from tests import fakeplan
@@ -28,6 +37,7 @@ PROMPT = "Summarise the confidential merger memo."
 ASK = Envelope(parts=[Part(content=PROMPT)])
 BUDGET = Budget(max_calls=6, max_retries=3, max_cost=Decimal("1"))
 GRANT = Grant(recipients={"fake": ["user_input"]})
+T0 = 1_700_000_000.0
 
 
 def _plan(fake: FakeProvider) -> list[Route]:
@@ -78,4 +88,28 @@ def test_a_failure_with_no_route_to_move_to_logs_the_stop_without_the_key_it_ech
                            f"r, attempt {failed.attempt_id} failed on route primary (auth, HTTP "
                            "401, code [REDACTED]")
     assert line.endswith(f"), stopping ({stop.value.reason}), backoff 0.0s")
+    assert not any(PROMPT in m or KEY in m for m in caplog.messages)
+
+
+def test_a_failover_after_waiting_for_the_next_route_to_reopen_logs_that_backoff(
+        db_url: str, fake: FakeProvider, caplog: pytest.LogCaptureFixture) -> None:
+    """Every candidate left cooling (backup's group under a floor for 7 s): the failure-domain
+    turn waits for backup to reopen (on the injected clock: nothing sleeps), then moves to it.
+    The line is written once the wait is over and says it: moving to route backup, backoff
+    7.0s, the wait the turn recorded and the clock slept."""
+    caplog.set_level("INFO", logger="ledger.run")
+    clock = ManualClock(T0)
+    fake.enqueue(Fault.UNAVAILABLE, model="primary-model")
+    with Ledger.open(db_url, clock=clock) as led:
+        led.set_group_state("gb", "cooldown", until=T0 + 7, reason="test floor")
+        with led.run("r", plan=_plan(fake), budget=BUDGET, grant=GRANT,
+                     policy="failure-domain") as run:
+            assert run.turn(ASK).route.id == "backup"
+        [failed] = [a for a in led.timeline("r") if a.route_id == "primary"]
+        [wait] = [e.data for e in led.events("r", ["wait"])]
+    assert clock.slept == [7.0] and wait["waited_s"] == 7.0 and wait["route"] == "backup"
+    assert _fallback_lines(caplog) == [
+        "[fallback] serving the request with fake-b/backup-model (fake/primary-model: 503 "
+        f"overloaded): run r, attempt {failed.attempt_id} failed on route primary (overloaded, "
+        "HTTP 503, code server_error), moving to route backup, backoff 7.0s"]
     assert not any(PROMPT in m or KEY in m for m in caplog.messages)
