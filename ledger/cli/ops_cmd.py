@@ -501,9 +501,17 @@ def open_writer(url: str) -> Any:
 
 
 def _run_close(args: argparse.Namespace) -> int:
+    from ledger.errors import NotFound
+
     led = open_writer(args.db)
     try:
-        before = led.get_run(args.run_id)
+        try:
+            before = led.get_run(args.run_id)
+        except NotFound:
+            # The library's fix ("admit the run first") is a host's; an operator closing a
+            # Run mistyped its id.
+            raise NotFound(f"unknown run id {args.run_id!r}; nothing was closed: check the id "
+                           f"(list runs with `{PROG} runs`)", run_id=args.run_id) from None
         rec = led.close_run(args.run_id, status=args.status, reason=args.reason,
                             by=operator_name() if args.by is None else args.by)
         closes = led.events(args.run_id, ["close"])

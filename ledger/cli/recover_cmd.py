@@ -159,6 +159,18 @@ def _reconcile(args: argparse.Namespace) -> int:
 def _usage(args: argparse.Namespace) -> tuple[int | None, int | None]:
     from ledger.errors import InvalidArgument
 
+    if args.outcome == "not_sent":
+        # Said here, by the flags given: the library's refusal names its keywords
+        # (prompt_tokens), which this command spells --usage or --prompt-tokens.
+        given = [flag for flag, value in (
+            ("--usage", args.usage), ("--prompt-tokens", args.prompt_tokens),
+            ("--completion-tokens", args.completion_tokens), ("--cost", args.cost))
+            if value is not None]
+        if given:
+            raise InvalidArgument(
+                f"{' and '.join(given)} given with --outcome not_sent: a request that never "
+                "ran used and cost nothing; drop it, or settle as succeeded or failed",
+                field=given[0].removeprefix("--").replace("-", "_"))
     if args.usage is None:
         return args.prompt_tokens, args.completion_tokens
     if args.prompt_tokens is not None or args.completion_tokens is not None:

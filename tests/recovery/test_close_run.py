@@ -292,7 +292,9 @@ def test_run_close_on_the_command_line(db_url: str, capsys: pytest.CaptureFixtur
     assert "--status is not one of the choices (got 'running')" in err
     assert "'failed'" in err
     assert main(["--db", db_url, "run", "close", "nope", "--status", "failed", *why]) == 1
-    assert "unknown run id 'nope'" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "unknown run id 'nope'; nothing was closed: check the id (list runs with" in err
+    assert "admit" not in err  # the host's fix, not an operator's
     assert main(["--db", db_url, "run", "close", "held", "--status", "failed", *why]) == 1
     err = capsys.readouterr().err
     # The expiry as a person reads it: how far off, and when (never an epoch float).

@@ -400,10 +400,13 @@ def test_cli_json_and_separate_token_options(db_url: str) -> None:
     (["--outcome", "succeeded", "--prompt-tokens", "-5"], 2, "--prompt-tokens"),
     (["--outcome", "failed", "--cost=-1"], 2, "cost"),
     (["--outcome", "failed", "--cost", "-1"], 2, "cost"),
-    (["--outcome", "not_sent", "--usage", "1,1"], 2, "not_sent"),
+    (["--outcome", "not_sent", "--usage", "1,1"], 2,
+     "--usage given with --outcome not_sent: a request that never ran"),
+    (["--outcome", "not_sent", "--prompt-tokens", "3", "--cost", "0"], 2,
+     "--prompt-tokens and --cost given with --outcome not_sent"),
 ], ids=["one-count", "not-numbers", "both-forms", "negative", "negative-spaced",
         "negative-completion", "negative-prompt-tokens", "negative-cost", "negative-cost-spaced",
-        "not-sent-usage"])
+        "not-sent-usage", "not-sent-tokens-and-cost"])
 def test_cli_bad_input_is_one_line_and_changes_nothing(
         db_url: str, args: list[str], code: int, says: str, capsys: pytest.CaptureFixture[str],
         monkeypatch: pytest.MonkeyPatch) -> None:
