@@ -68,7 +68,11 @@ from ledger.decide.ending import ENDED
 from ledger.decide.health import as_read, canonical_key, probe_key_kind, route_key
 from ledger.decide.pricing import resolve_prices
 from ledger.decide.settle import check_lease_ttl, settle_spec
-from ledger.domain.bounds import DEFAULT_FOLD_AFTER_S, DEFAULT_LEASE_MARGIN_S
+from ledger.domain.bounds import (
+    DEFAULT_FOLD_AFTER_S,
+    DEFAULT_LEASE_MARGIN_S,
+    MAX_HEALTH_KEY_LENGTH,
+)
 from ledger.domain.facts import FailureFact, Observation
 from ledger.domain.records import (
     AttemptKind,
@@ -92,6 +96,8 @@ from ledger.domain.validation import (
     As,
     Evidence,
     Flag,
+    HealthKey,
+    HealthKeyList,
     Id,
     IdList,
     Money,
@@ -1257,7 +1263,7 @@ class Face(Generic[SessionT, OpenedT]):
         yield from blocking(lambda: self._runs.set_group_mode(group, upd, now))
 
     @op
-    def clear_cooldown(self, key: Id, *, reason: Reason, by: Id | None = None,
+    def clear_cooldown(self, key: HealthKey, *, reason: Reason, by: Id | None = None,
                        group: Flag = False) -> Flow[EventRecord]:
         """Clear a cooldown at an operator's word: the key is available again at once.
 
@@ -1282,8 +1288,9 @@ class Face(Generic[SessionT, OpenedT]):
             ``by``, ``reason`` and ``previous``, what was cleared).
 
         Raises:
-            InvalidArgument: ``key`` or ``by`` is not an identifier, ``reason`` is blank or
-                not a short text, ``group`` is not a bool.
+            InvalidArgument: ``key`` is not a health key (1 to 609 printable characters) or
+                ``by`` not an identifier, ``reason`` is blank or not a short text, ``group``
+                is not a bool.
             NotFound: no health is recorded for ``key`` (it never failed), or no such group.
             InvalidState: there is nothing to clear: the key is available and counts no
                 failure, or the group is open (nothing recorded).
@@ -1420,7 +1427,7 @@ class Face(Generic[SessionT, OpenedT]):
         return (yield from blocking(lambda: self._runs.group_projections(wanted, now)))
 
     @op
-    def health(self, keys: IdList | None = None) -> Flow[dict[str, Health]]:
+    def health(self, keys: HealthKeyList | None = None) -> Flow[dict[str, Health]]:
         """Health rows as they stand now: counters past their reset time read as reset.
 
         Args:
@@ -1436,7 +1443,7 @@ class Face(Generic[SessionT, OpenedT]):
     @op
     def claim_probe(self, route: Annotated[Route, instance(Route, "a ledger.Route",
                                                            "pass a ledger.Route")],
-                    interval_s: Annotated[float, duration()], *, key: Id | None = None,
+                    interval_s: Annotated[float, duration()], *, key: HealthKey | None = None,
                     ttl_s: Annotated[float, duration(positive=True)] | None = None,
                     max_keys: Annotated[int, integers(1)] | None = None) -> Flow[bool]:
         """Take the cluster-wide probe slot of ``route``: True for one caller per interval.
@@ -1455,9 +1462,20 @@ class Face(Generic[SessionT, OpenedT]):
 
         Returns:
             Whether this caller got the slot (and so may send the probe).
+
+        Raises:
+            InvalidArgument: ``key`` is not a health key, or a ``provider:<name>`` whose name
+                folds longer than any route's key (its ``field`` is ``key``).
         """
         # A provider key spelled as the route's provider is: the row its settles write.
         k = route.id if key is None or key == route.id else canonical_key(key)
+        if len(k) > MAX_HEALTH_KEY_LENGTH:
+            # Folding lengthened it past any key a route's health is kept under (a provider
+            # name longer than a Route takes): no row could hold it.
+            raise InvalidArgument(f"key (provider:<name>, {len(key or '')} characters) folds to "
+                                  f"{len(k)}, more than the {MAX_HEALTH_KEY_LENGTH} of any "
+                                  "route's health key; pass provider:<the route's provider> "
+                                  "or a key `failover-ledger health` lists", field="key")
         return (yield from self._store.claim_probe(k, route.provider, self.now(), interval_s,
                                                    kind=probe_key_kind(route, k), ttl_s=ttl_s,
                                                    max_keys=max_keys))

@@ -9,6 +9,8 @@ transaction would turn a recorded success into a crash.
 what                   range
 =====================  ==========================================================
 ids (run, attempt, …)  1 to 200 characters, printable, no NUL or control characters
+health keys            1 to 609 characters, printable: a route or profile id, or
+                       ``provider:`` and a provider name (an id) case-folded
 new run/attempt ids    also not ``.`` or ``..`` (a URL path cannot carry them)
 counts (calls, …)      integers 0 to 10^9 (``bool`` is not an integer here)
 tokens                 integers 0 to 10^15
@@ -26,6 +28,10 @@ from __future__ import annotations
 from decimal import Decimal
 
 MAX_ID_LENGTH = 200
+#: The longest health key: ``provider:`` and a provider name of :data:`MAX_ID_LENGTH` characters
+#: case-folded (``ledger.decide.health.provider_key``). Folding turns one character into at
+#: most three (U+0390 into three), so 9 + 3 * 200; route and profile ids are shorter.
+MAX_HEALTH_KEY_LENGTH = 9 + 3 * MAX_ID_LENGTH
 #: The longest recipient name (a grant's keys, ``Route.recipient``). A server a request
 #: parameter makes the provider forward to (an MCP server) is a recipient named by its URL,
 #: and 2,048 characters is the URL length browsers, proxies and CDNs commonly accept; recipients
@@ -79,6 +85,7 @@ __all__ = [
     "MAX_AMOUNT",
     "MAX_COUNT",
     "MAX_FENCE",
+    "MAX_HEALTH_KEY_LENGTH",
     "MAX_ID_LENGTH",
     "MAX_LABELS",
     "MAX_LEASE_TTL_S",

@@ -66,6 +66,7 @@ from pydantic_core import core_schema
 from ledger.domain.bounds import (
     MAX_AMOUNT,
     MAX_COUNT,
+    MAX_HEALTH_KEY_LENGTH,
     MAX_ID_LENGTH,
     MAX_LABELS,
     MAX_RECIPIENT_LENGTH,
@@ -193,6 +194,11 @@ def text(maximum: int = MAX_TEXT, *, empty: bool = True, fix: str = "pass a stri
 
 as_id = text(MAX_ID_LENGTH, empty=False, fix="pass a non-empty string such as 'run-1'")
 """An identifier: 1 to 200 printable characters, not only whitespace (the rule of :data:`Id`)."""
+
+as_health_key = text(MAX_HEALTH_KEY_LENGTH, empty=False,
+                     fix="pass a key `failover-ledger health` lists: a route id, a profile id "
+                         "or provider:<name>")
+"""A health key: 1 to 609 printable characters (the rule of :data:`HealthKey`)."""
 
 
 def _new_id(value: Any) -> str:
@@ -370,6 +376,10 @@ def listing(each: Callable[[Any], R], what: str, fix: str, maximum: int = 10_000
 
 Id = Annotated[StrictStr, as_id]
 """An identifier: 1 to 200 printable characters, not only whitespace."""
+HealthKey = Annotated[StrictStr, as_health_key]
+"""A health key: a route or profile id, or ``provider:`` and a provider name, which its row
+keeps case-folded and so up to three times as long
+(:data:`~ledger.domain.bounds.MAX_HEALTH_KEY_LENGTH`)."""
 NewId = Annotated[StrictStr, as_new_id]
 """The id of a Run or Attempt a call creates: an :data:`Id` other than ``.`` and ``..``."""
 Text = Annotated[StrictStr, text()]
@@ -407,6 +417,9 @@ Flag = Annotated[bool, flag]
 """``True`` or ``False`` (not 0/1, not a string)."""
 IdList = Annotated[Sequence[str], listing(as_id, "ids", "pass a list of ids such as ['r1']")]
 """A list (tuple, set) of at most 10 000 ids; a lone string is refused (not its characters)."""
+HealthKeyList = Annotated[Sequence[str], listing(
+    as_health_key, "health keys", "pass a list of health keys such as ['provider:openai']")]
+"""A list (tuple, set) of at most 10 000 health keys (:data:`HealthKey`)."""
 # A dict has a get() too, but not get(profile_id, protocol=...): wrap it instead.
 Secrets = Annotated[Any, that(
     lambda v: not isinstance(v, Mapping) and callable(getattr(v, "get", None)),
@@ -823,6 +836,8 @@ __all__ = [
     "Count",
     "Evidence",
     "Flag",
+    "HealthKey",
+    "HealthKeyList",
     "HttpStatus",
     "Id",
     "IdList",
@@ -841,6 +856,7 @@ __all__ = [
     "Time",
     "Tokens",
     "amount_in_range",
+    "as_health_key",
     "as_id",
     "as_new_id",
     "checked",

@@ -23,6 +23,7 @@ from ledger.domain.facts import WireProtocol
 from ledger.domain.media import MAX_BINARY_BYTES
 from ledger.domain.validation import (
     Count,
+    HealthKey,
     Id,
     Instant,
     Problem,
@@ -254,9 +255,9 @@ class GroupProjection(StrictModel):
 
 
 class Health(StrictModel):
-    """Health of one key (a route id, or a credential profile id)."""
+    """Health of one key (a route id, a credential profile id, or ``provider:<name>``)."""
 
-    key: Id
+    key: HealthKey
     cooldown_until: Instant | None = None
     disabled_until: Instant | None = None
     disabled_reason: Text | None = None

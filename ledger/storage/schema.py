@@ -28,6 +28,7 @@ from sqlalchemy import (
 )
 from sqlalchemy.sql.expression import ColumnElement, FromClause
 
+from ledger.domain.bounds import MAX_HEALTH_KEY_LENGTH
 from ledger.domain.records import DURATION_BUCKETS
 
 metadata = MetaData(
@@ -244,8 +245,9 @@ group_waiters = Table(
 health = Table(
     "health",
     metadata,
-    # route id, credential profile id, or provider:<name> (health keyed by provider)
-    Column("key", _ID, primary_key=True),
+    # route id, credential profile id, or provider:<name> (health keyed by provider), its name
+    # case-folded and so up to three times an id's length (0021)
+    Column("key", String(MAX_HEALTH_KEY_LENGTH), primary_key=True),
     Column("kind", String(16), nullable=False),  # route | profile | provider
     Column("provider", String(200), nullable=True),
     Column("cooldown_until", _T, nullable=True),

@@ -21,6 +21,7 @@ from ledger.domain.envelope import Envelope, Part
 from ledger.domain.facts import Observation
 from ledger.domain.records import Lease
 from ledger.domain.values import Budget, Grant, Price, Route
+from ledger.errors import InvalidArgument
 
 FREE = Price()
 UPPER = Route(id="gpt-upper", provider="OpenAI", model="gpt-4o", group="openai-a",
@@ -92,3 +93,48 @@ def test_an_operator_reads_and_clears_a_provider_by_either_spelling(
     event = led.clear_cooldown("provider:OpenAI", reason="status page: resolved", by="ana")
     assert (event.data["key"], event.data["kind"]) == ("provider:openai", "provider")
     assert led.health(["provider:openai"])["provider:openai"].available(clock.now())
+
+
+
+# The longest provider name a Route takes (200 characters) whose case folding is the longest
+# too: U+0390 folds to three characters, so its key is ``provider:`` and 600 characters.
+LONGEST = "\u0390" * 200
+LONGEST_KEY = "provider:" + LONGEST.casefold()
+LONG = Route(id="long", provider=LONGEST, model="m", group="long", recipient="openai",
+             price=FREE)
+
+
+def test_every_valid_routes_provider_key_is_stored_on_both_backends(
+        led: Ledger, clock: ManualClock) -> None:
+    assert len(LONGEST_KEY) == 609
+    # The probe claim writes the row first (on PostgreSQL it overflowed the column), then the
+    # settles of a failure and of a success write it (they failed after the request was sent).
+    assert led.claim_probe(LONG, 30, key="provider:" + LONGEST)
+    assert not led.claim_probe(LONG, 30, key=LONGEST_KEY)
+    res = execute(led, admit(led, "r1", [LONG, DEEPSEEK]), ENV,
+                  lambda d: OVERLOADED if d.route.id == LONG.id else OK)
+    assert res.route.id == DEEPSEEK.id
+    assert led.health()[LONGEST_KEY].failure_counts == {"overloaded": 1}
+    clock.advance(3600)
+    assert execute(led, admit(led, "r2", [LONG]), ENV, lambda d: OK).route.id == LONG.id
+    # An operator reads and clears it by the name as the route spells it, or as listed.
+    assert list(led.health(["provider:" + LONGEST])) == [LONGEST_KEY]
+    execute(led, admit(led, "r3", [LONG, DEEPSEEK]), ENV,
+            lambda d: OVERLOADED if d.route.id == LONG.id else OK)
+    event = led.clear_cooldown("provider:" + LONGEST, reason="resolved", by="ana")
+    assert event.data["key"] == LONGEST_KEY
+    assert led.health([LONGEST_KEY])[LONGEST_KEY].available(clock.now())
+
+
+def test_a_health_key_no_route_can_have_is_refused_naming_the_key(led: Ledger) -> None:
+    too_long = "k" * 610
+    for field, call in (
+            ("keys[0]", lambda: led.health([too_long])),
+            ("key", lambda: led.clear_cooldown(too_long, reason="resolved")),
+            ("key", lambda: led.claim_probe(LONG, 30, key=too_long)),
+            # Short enough as spelled, but its name folds past any route's key.
+            ("key", lambda: led.claim_probe(LONG, 30, key="provider:" + "\u0390" * 250))):
+        with pytest.raises(InvalidArgument, match="609") as err:
+            call()
+        assert err.value.field == field
+    assert led.health() == {}
