@@ -1105,7 +1105,10 @@ class Audit:
 
         Args:
             by: What to total by: ``route``, ``group``, ``provider``, ``run``, ``tenant`` or
-                ``label`` (with ``label=``).
+                ``label`` (with ``label=``). By ``provider`` the routes' names are matched
+                case-insensitively, as the provider's health key matches them: ``OpenAI``
+                and ``openai`` are one group keyed ``openai``, the name case-folded
+                (``str.casefold``, the same on both backends).
             since: Attempts begun at or after this time.
             until: Attempts begun before this time.
             label: The Run label to total by, with ``by="label"`` (e.g. ``"team"``).

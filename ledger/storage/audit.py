@@ -165,6 +165,21 @@ def _maps(rows: Sequence[Any]) -> list[RowMap]:
     return [dict(r._mapping) for r in rows]
 
 
+def _folded_providers(rows: list[RowMap]) -> list[RowMap]:
+    """Totals by provider name as spelled (``key``) merged per name case-folded, keyed by
+    that folded name, costliest first (then by name).
+
+    Every column is a sum, so the merged sums are exact; the folded name is the one the
+    provider's health key carries (``provider:<folded>``)."""
+    merged: dict[str, dict[str, Any]] = {}
+    for row in rows:
+        name = str(row["key"]).casefold()
+        into = merged.setdefault(name, {"key": name, **dict.fromkeys(_TOTALS, 0)})
+        for c in _TOTALS:
+            into[c] += int(row[c] or 0)
+    return sorted(merged.values(), key=lambda r: (-r["cost_micros"], r["key"]))
+
+
 def in_state(state: str) -> ColumnElement[Any]:
     """How many of the attempts summed are in ``state``."""
     return func.coalesce(func.sum(case((s.attempts.c.state == state, 1), else_=0)), 0)
@@ -308,7 +323,8 @@ class AuditQueries:
                label: str | None, limit: int, cursor: str | None
                ) -> tuple[list[RowMap], str | None]:
         """Attempt counts, tokens and cost grouped by ``by`` (route, group, run, tenant,
-        label with ``label`` the key, provider), most expensive first. Raises
+        label with ``label`` the key, provider with its name case-folded), most expensive
+        first. Raises
         :class:`~ledger.errors.InvalidArgument` (an unknown ``by``, a bad label key)."""
         _check_limit(limit)
         if by not in TOTALS_KEYS:
@@ -340,8 +356,15 @@ class AuditQueries:
             # By run, a day holds as many keys as attempts nearly: roll-ups would not help.
             hours = None if by == "run" else split(conn, since, until)
             q, cost, key = self._totals_query(by, key, label, since, until, hours)
-            q = q.order_by(cost.desc(), key.asc()).offset(offset).limit(limit + 1)
-            rows = _maps(conn.execute(q).all())
+            if by == "provider":
+                # Summed by the name as each route spelled it, then folded here: a few rows,
+                # and str.casefold is the fold of the provider's health key
+                # (ledger.decide.health.provider_key), which neither backend's lower() is.
+                rows = _folded_providers(_maps(conn.execute(q).all()))
+                rows = rows[offset:offset + limit + 1]
+            else:
+                q = q.order_by(cost.desc(), key.asc()).offset(offset).limit(limit + 1)
+                rows = _maps(conn.execute(q).all())
         nxt = None
         if len(rows) > limit:
             rows = rows[:limit]
