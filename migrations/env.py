@@ -29,6 +29,10 @@ def _run(connection) -> None:  # type: ignore[no-untyped-def]
 
 
 def run_migrations_online() -> None:
+    """Migrate the connection the ledger hands over, else the ``-x url=`` database.
+
+    The ledger migrates in its own transaction; the alembic command opens its own connection.
+    """
     connection = config.attributes.get("connection")
     if connection is not None:
         _run(connection)
