@@ -70,11 +70,17 @@ _ENDED = ("succeeded", "failed", "stopped", "cancelled")
 
 
 def check_token(token: Any) -> str:
-    """A usable action token: printable, no spaces, at least :data:`MIN_TOKEN_LENGTH` long."""
+    """A usable action token: printable ASCII, no spaces, at least :data:`MIN_TOKEN_LENGTH`
+    long.
+
+    ASCII because a header carries it: a request's header value is read as Latin-1, so a token
+    of other characters would match in the form's field and never in ``X-Ledger-Token`` or
+    ``Authorization``.
+    """
     if not isinstance(token, str) or len(token) < MIN_TOKEN_LENGTH or not token.isprintable() \
-            or any(c.isspace() for c in token) or len(token) > 1024:
+            or not token.isascii() or any(c.isspace() for c in token) or len(token) > 1024:
         raise InvalidArgument(
-            f"the dashboard's action token must be {MIN_TOKEN_LENGTH} to 1024 printable "
+            f"the dashboard's action token must be {MIN_TOKEN_LENGTH} to 1024 printable ASCII "
             "characters without spaces; make one with `python -c \"import secrets; "
             "print(secrets.token_urlsafe(32))\"`", field="token")
     return token

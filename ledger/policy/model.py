@@ -1149,7 +1149,31 @@ class Policy(StrictModel):
                 f"the name {v!r} is blank",
                 "name the policy, e.g. after the preset it started from (my-goclaw)",
             )
-        return v
+        return _shown_as_written(v, "name", info)
+
+    @field_validator("description")
+    @classmethod
+    def _described(cls, v: str, info: ValidationInfo) -> str:
+        return _shown_as_written(v, "description", info, lines=True)
+
+
+def _shown_as_written(v: str, name: str, info: ValidationInfo, *, lines: bool = False) -> str:
+    """``v`` unless it holds a character that is not printed as itself.
+
+    A terminal escape, a bidi override or a zero-width character: ``policy check``, ``policy
+    show`` and the dashboard print the policy's name and description, where such a character
+    would rewrite what an operator reads. ``lines``: line breaks and tabs are text there.
+    """
+    bad = next((i for i, c in enumerate(v)
+                if not c.isprintable() and not (lines and c in "\n\t")), None)
+    if bad is not None and _admitting(info):
+        raise PolicyValueError(
+            f"the {name} holds U+{ord(v[bad]):04X} at position {bad}, a character that is not "
+            "printed as itself (a control, format or bidi character)",
+            f"write the {name} in printable characters" + (
+                " (line breaks and tabs may stay)" if lines else ""),
+        )
+    return v
 
 
 PolicyArg = Annotated[Policy, instance(

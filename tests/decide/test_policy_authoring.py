@@ -484,3 +484,29 @@ def test_a_whole_number_written_as_2_0_is_the_integer_json_schema_says_it_is(
     assert not _schema_errors(data)
     half = {"name": "t", "probe": {"max_keys": 2.5}}
     assert _refused(half)[0][0] == "probe.max_keys" and _schema_errors(half)
+
+
+# -- what an operator reads is what the file says ---------------------------------------------
+
+
+@pytest.mark.parametrize(("data", "field", "char"), [
+    ({"name": "t\x1b[31m"}, "name", "U+001B"),  # a terminal escape: colours what follows
+    ({"name": "t\u202ekcehc"}, "name", "U+202E"),  # a bidi override: reads backwards
+    ({"name": "t\u200b"}, "name", "U+200B"),  # zero-width: two names that look one
+    ({"name": "t", "description": "ok\n\x1b]0;title\x07"}, "description", "U+001B"),
+], ids=["name-escape", "name-bidi", "name-zero-width", "description-escape"])
+def test_a_policy_name_or_description_that_would_not_print_as_written_is_refused(
+        data: dict[str, object], field: str, char: str) -> None:
+    """``policy check``, ``policy show`` and the dashboard print the name and the description;
+    an escape or a bidi override there rewrote what an operator read (``ok: t`` in red)."""
+    [(got, problem, fix)] = _refused(data)
+    assert got == field and char in problem and "not printed as itself" in problem
+    assert fix.startswith(f"write the {field} in printable characters")
+    # Invariant 5: a Run admitted before this rule reads its policy back as it was.
+    frozen = Policy.model_validate(data, context=FROZEN)
+    assert frozen.name == data["name"] and policy_hash(frozen)
+
+
+def test_a_description_keeps_its_line_breaks_and_tabs() -> None:
+    text = "Rules of our gateway.\n\tSee the runbook.\n"
+    assert Policy(name="t", description=text).description == text
