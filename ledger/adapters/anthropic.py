@@ -84,6 +84,7 @@ from ledger.adapters.contract import (
     register_codec,
     reported_usage,
     require_object,
+    unreadable_usage,
     wire_order,
 )
 from ledger.adapters.sse import SSEEvent
@@ -130,7 +131,11 @@ def _thinking(into: Reply | StreamState, block: dict[str, Any], where: str) -> N
 def _usage(value: Any, previous: Usage | None = None) -> Usage | None:
     if value is None:
         return previous
-    u = require_object(value, "usage")
+    if not isinstance(value, dict):
+        # Not kept from before either: a message_delta's count is the cumulative one, so
+        # message_start's would under-report the answer.
+        return unreadable_usage(value)
+    u = value
     # Cached prompt tokens are prompt tokens too; they are billed, at their own rates.
     prompt_keys = ("input_tokens", "cache_creation_input_tokens", "cache_read_input_tokens")
     usage = reported_usage(

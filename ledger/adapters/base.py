@@ -108,6 +108,7 @@ from __future__ import annotations
 
 import json
 import logging
+import reprlib
 import ssl
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
@@ -134,6 +135,7 @@ from ledger.adapters.contract import (
     WireRequest,
     codec_for,
     offered_calls,
+    provider_json,
     reasoning_data,
 )
 from ledger.adapters.exchange import (
@@ -909,9 +911,10 @@ class HttpAdapter:
             cost = call.route.cost(usage.prompt_tokens, usage.completion_tokens)
             if amount_in_range(cost):
                 return usage, cost, None
-        log.warning("route %s: reported usage out of range or not token counts (prompt_tokens=%r, "
-                    "completion_tokens=%r); recorded as not reported", call.route.id,
-                    usage.prompt_tokens, usage.completion_tokens)
+        log.warning("route %s: reported usage out of range or not token counts (prompt_tokens=%s, "
+                    "completion_tokens=%s); recorded as not reported", call.route.id,
+                    # Shortened: a value that is not a count may be a whole list or a long text.
+                    reprlib.repr(usage.prompt_tokens), reprlib.repr(usage.completion_tokens))
         return None, None, usage
 
     def _fail(
@@ -1077,7 +1080,7 @@ class HttpAdapter:
                 message=f"response body larger than max_body_bytes={self.max_body_bytes}",
             ))
         try:
-            data = json.loads(raw)
+            data = provider_json(raw)
         except (ValueError, RecursionError) as exc:
             return (yield from self._fail(
                 call,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import base64
 import binascii
 import json
+import math
 import os
 from abc import ABC, abstractmethod
 from collections.abc import Awaitable, Callable, Mapping, Sequence
@@ -369,6 +370,25 @@ def detail_count(obj: Any, key: str) -> int | None:
     return value
 
 
+def unreadable_usage(value: Any) -> Usage:
+    """The report of a usage that is present but not a JSON object (``"usage": []``).
+
+    No count can be read from it, yet the answer is not malformed for it: the provider ran the
+    call, and a hostile or buggy counter must not turn a delivered answer into a failure. Both
+    totals hold the value's JSON text (``"[]"``, ``'"x"'``, ``"7"``), never a count even when
+    the value is a number, so the adapter's billing check rejects the report as one whose
+    counts are not counts (``rejected_usage``): the answer is served with the whole hold
+    posted and the report kept in a ``usage_invalid`` event.
+    """
+    try:
+        text = json.dumps(value)
+    except (ValueError, RecursionError):  # nested too deep to write here
+        text = f"a JSON {type(value).__name__} nested too deep to write"
+    # Text, not a count: what the usage_invalid event keeps (see above).
+    sent: Any = text
+    return Usage(prompt_tokens=sent, completion_tokens=sent)
+
+
 def reported_usage(u: Mapping[str, Any], prompt: Sequence[str], completion: Sequence[str], *,
                    required: Sequence[str], cached: int | None = None,
                    reasoning: int | None = None) -> Usage | None:
@@ -449,10 +469,35 @@ class StreamState(ABC):
         )
 
 
+def _int_or_infinity(digits: str) -> int | float:
+    """A JSON integer, or an infinity of its sign when it is too long for ``int()``."""
+    try:
+        return int(digits)
+    except ValueError:  # past sys.get_int_max_str_digits(): no provider counts that high
+        return -math.inf if digits.startswith("-") else math.inf
+
+
+def provider_json(data: str | bytes) -> Any:
+    """A provider's JSON text (a body, an event's data) parsed; :class:`ValueError` if not JSON.
+
+    An integer too long for Python's ``int()`` (over 4,300 digits by default) does not make
+    the text unparseable: it becomes an infinity, a number out of every range, which the
+    rules of its field then refuse as any other (a usage count as one out of range, so a
+    complete answer stands). Parsed again only then: every other text takes the default
+    parser's fast path.
+    """
+    try:
+        return json.loads(data)
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise
+    except ValueError:  # int() refused a digit string
+        return json.loads(data, parse_int=_int_or_infinity)
+
+
 def parse_json_event(event: SSEEvent) -> dict[str, Any]:
     """An SSE event's data as a JSON object, else :class:`MalformedPayload`."""
     try:
-        value = json.loads(event.data)
+        value = provider_json(event.data)
     except (ValueError, RecursionError) as exc:
         raise MalformedPayload(f"event data is not JSON: {exc}") from exc
     return require_object(value, "event data")

@@ -102,6 +102,7 @@ from ledger.adapters.contract import (
     require_object,
     take_output_media,
     tool_files_note,
+    unreadable_usage,
     wire_order,
 )
 from ledger.adapters.sse import SSEEvent
@@ -205,7 +206,9 @@ def _signature_item(route: Route, part: Part, protocol: str) -> dict[str, Any] |
 def _usage(value: Any) -> Usage | None:
     if value is None:
         return None
-    u = require_object(value, "usageMetadata")
+    if not isinstance(value, dict):
+        return unreadable_usage(value)
+    u = value
     # Thinking tokens are billed as output. Gemini's JSON leaves out a count that is 0 (an
     # answer with no candidate tokens has no candidatesTokenCount); a prompt always has some.
     return reported_usage(

@@ -83,6 +83,7 @@ from ledger.adapters.contract import (
     require_object,
     take_output_media,
     tool_files_note,
+    unreadable_usage,
     wire_order,
 )
 from ledger.adapters.sse import SSEEvent
@@ -101,7 +102,9 @@ from ledger.domain.values import Route
 def _usage(value: Any) -> Usage | None:
     if value is None:
         return None
-    u = require_object(value, "usage")
+    if not isinstance(value, dict):
+        return unreadable_usage(value)
+    u = value
     keys = ("prompt_tokens", "completion_tokens")
     return reported_usage(
         u, keys[:1], keys[1:], required=keys,

@@ -106,6 +106,7 @@ from ledger.adapters.contract import (
     reported_usage,
     require_object,
     take_output_media,
+    unreadable_usage,
     wire_order,
 )
 from ledger.adapters.sse import SSEEvent
@@ -129,7 +130,9 @@ _REASONING_KEYS = ("type", "id", "summary", "encrypted_content", "content")
 def _usage(value: Any) -> Usage | None:
     if value is None:
         return None
-    u = require_object(value, "usage")
+    if not isinstance(value, dict):
+        return unreadable_usage(value)
+    u = value
     keys = ("input_tokens", "output_tokens")
     return reported_usage(
         u, keys[:1], keys[1:], required=keys,

@@ -340,13 +340,36 @@ class _Usage:
             # Attempt is recorded, the usage is marked invalid (kept as evidence), and the
             # settle posts as if none was reported.
             return cls(events=(("usage_invalid", {
-                "prompt_tokens": str(pt), "completion_tokens": str(ct), "cost": str(cost),
-                "cached_tokens": str(cached), "reasoning_tokens": str(reasoning)}),))
+                "prompt_tokens": _as_reported(pt), "completion_tokens": _as_reported(ct),
+                "cost": _as_reported(cost), "cached_tokens": _as_reported(cached),
+                "reasoning_tokens": _as_reported(reasoning)}),))
         if not _details_ok(result):
             # The totals stand; parts that do not fit in them are kept as evidence only.
             return cls(pt, ct, cost, events=(("usage_invalid", {
-                "cached_tokens": str(cached), "reasoning_tokens": str(reasoning)}),))
+                "cached_tokens": _as_reported(cached),
+                "reasoning_tokens": _as_reported(reasoning)}),))
         return cls(pt, ct, cost, cached, reasoning)
+
+
+#: The most characters of one reported value a ``usage_invalid`` event keeps.
+MAX_REPORTED_CHARS = 200
+
+
+def _as_reported(value: Any) -> str:
+    """A reported figure as a ``usage_invalid`` event keeps it: its text, bounded.
+
+    The value is whatever the provider (or a host's send) put there: a 16 MiB string, a
+    whole list where a usage object belongs, an integer too long for ``str()``. The event
+    is evidence, not a copy of the body, and writing it must never fail the settle.
+    """
+    try:
+        text = str(value)
+    except (ValueError, RecursionError):  # past sys.get_int_max_str_digits(); deep nesting
+        text = (f"an integer of {value.bit_length()} bits" if isinstance(value, int)
+                else f"a {type(value).__name__} too deep to write")
+    if len(text) <= MAX_REPORTED_CHARS:
+        return text
+    return text[:MAX_REPORTED_CHARS] + f"...[{len(text)} characters]"
 
 
 def ledger_closed(error: BaseException) -> bool:
