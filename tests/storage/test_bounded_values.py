@@ -99,6 +99,27 @@ def test_a_provider_reporting_absurd_usage_never_loses_the_success(led: Ledger) 
     assert reconcile(led).ok
 
 
+def test_a_reported_count_too_long_to_write_never_loses_the_success(led: Ledger) -> None:
+    """``str()`` refuses an integer of over 4,300 digits: the usage_invalid event says what it
+    was instead of failing the settle, and keeps every value it holds short."""
+    lease = led.acquire_lease("r1")
+    env = Envelope(parts=[Part(content="hi")], max_output_tokens=10)
+
+    def send(_d: object) -> SendResult:
+        return SendResult(ok=True, output="answer", prompt_tokens=10**5000,
+                          completion_tokens="7" * 10_000)  # type: ignore[arg-type]
+
+    res = execute(led, lease, env, send, reserve=Decimal("0.02"))  # type: ignore[arg-type]
+    att = led.get_attempt(res.attempt.attempt_id)
+    assert att.state is AttemptState.SUCCEEDED and att.prompt_tokens is None
+    assert led.get_run("r1").posted == Decimal("0.02")
+    [ev] = led.events("r1", ["usage_invalid"])
+    assert ev.data["prompt_tokens"] == f"an integer of {(10**5000).bit_length()} bits"
+    assert ev.data["completion_tokens"].startswith("7" * 200 + "...")
+    assert len(ev.data["completion_tokens"]) < 250
+    assert reconcile(led).ok
+
+
 @pytest.mark.parametrize("ttl", [math.inf, math.nan, -1.0, 0.0, 1e9, "30"])
 def test_lease_ttl_is_finite_and_bounded(led: Ledger, ttl: Any) -> None:
     with pytest.raises(InvalidArgument) as ei:
