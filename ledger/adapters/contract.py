@@ -124,9 +124,10 @@ class AdapterResult:
     On success ``observation`` is ``None``. On failure ``text`` and ``tool_calls`` are empty:
     whatever a stream delivered before it failed is in ``partial_text`` and is never an answer.
     ``usage`` and ``cost`` are ``None`` when the provider reported no usage, or usage the ledger
-    cannot store (a count above 10^15 tokens or not a count at all, a cost above 10^12): such
-    a report is kept as ``rejected_usage`` (a value that is not a count as the provider sent
-    it), evidence for the record, and never handed on as a figure.
+    cannot store (a count above 10^15 tokens or not a count at all, a usage that is not an
+    object, a cost above 10^12): such a report is kept as ``rejected_usage`` (a value that is
+    not a count as the provider sent it, a usage that is not an object as its JSON text),
+    evidence for the record, and never handed on as a figure.
 
     ``sent`` is ``False`` exactly when no byte of the request was handed to the socket (connect
     refused, DNS and TLS failures, connect timeout, a route that cannot build a request), and
