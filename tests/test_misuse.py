@@ -223,6 +223,9 @@ CASES: list[Case] = [
     C("route id with NUL", "id", "printable", lambda f: _route(id="a\x00b")),
     C("route id with a lone surrogate", "id", "lone surrogate", lambda f: _route(id="a\ud800b")),
     C("route id empty", "id", "non-empty", lambda f: _route(id="  ")),
+    # Said "is not a string; pass a string" of a string.
+    C("route endpoint with a lone surrogate", "endpoint", "no lone surrogates",
+      lambda f: _route(endpoint="http://x/\ud800")),
     C("route bad protocol", "protocol", "one of", lambda f: _route(protocol="grpc")),
     C("route api_key_env not a name", "api_key_env", "OPENAI_API_KEY",
       lambda f: _route(api_key_env="MY KEY")),
@@ -351,6 +354,10 @@ CASES: list[Case] = [
       lambda f: f.L.renew_lease(f.forged(fence=2**70))),
     C("renew forged run id", "lease", "acquire_lease",
       lambda f: f.L.renew_lease(f.forged(run_id="r\x00"))),
+    # Renewed to less than the margin, the lease was lost at the next write (LeaseLost), a
+    # session's exit then wrote no finish; acquire_lease refuses such a ttl_s already.
+    C("renew ttl below margin", "ttl_s", "longer ttl_s",
+      lambda f: f.L.renew_lease(f.lease, ttl_s=0.3)),
     C("release a dict", "lease", "acquire_lease",
       lambda f: f.L.release_lease({"run_id": "r1", "fence": 1})),
     C("finish bad status", "status", "one of", lambda f: f.L.finish_run(f.lease, "done")),
@@ -563,6 +570,8 @@ CASES: list[Case] = [
     C("sender of the wrong adapter", "adapter", "adapter", lambda f: f.sender(object())),
     C("lease keeper ttl NaN", "ttl_s", "finite",
       lambda f: f.keeper_cls(f.L, f.lease, ttl_s=NAN)),
+    C("lease keeper ttl below margin", "ttl_s", "longer ttl_s",
+      lambda f: f.keeper_cls(f.L, f.lease, ttl_s=0.2)),
     C("lease keeper interval too long", "interval_s", "smaller interval_s",
       lambda f: f.keeper_cls(f.L, f.lease, ttl_s=30, interval_s=20)),
     C("lease keeper not a lease", "lease", "acquire_lease",
@@ -678,7 +687,11 @@ def test_a_credential_in_an_endpoint_is_refused_without_being_repeated_or_stored
     # The frozen plan is stored as given and read by every auditor (docs/auditor-role.md).
     secret = "hunter2-pw-0123"
     for endpoint in (f"https://egress:{secret}@gw.example.com/v1",
-                     f"https://gw.example.com/v1?api-version=1&api_key={secret}"):
+                     f"https://gw.example.com/v1?api-version=1&api_key={secret}",
+                     # Not URLs Python splits (an unclosed IPv6 bracket): they were admitted,
+                     # the secret stored with the plan, for the adapter to refuse at the turn.
+                     f"http://egress:{secret}@[::1/v1",
+                     f"http://[::1/v1?api_key={secret}"):
         route = routes()[0].model_copy(update={"endpoint": endpoint})
         with pytest.raises(InvalidArgument) as e:
             ledger.admit_run("leaky", plan=[route], budget=BUDGET, grant=GRANT)

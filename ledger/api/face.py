@@ -809,7 +809,8 @@ class Face(Generic[SessionT, OpenedT]):
 
         Args:
             lease: The lease as last granted or renewed.
-            ttl_s: The new time left (above 0, at most 86 400 s).
+            ttl_s: The new time left: above the lease margin (:attr:`lease_margin_s`), as
+                :meth:`acquire_lease` takes it, and at most 86 400 s.
 
         Returns:
             The renewed :class:`~ledger.Lease`.
@@ -817,7 +818,11 @@ class Face(Generic[SessionT, OpenedT]):
         Raises:
             LeaseLost: the lease lapsed (expired or released): acquire it again.
             FencedOut: another executor took the Run over.
+            InvalidArgument: ``ttl_s`` is not above the lease margin or above 86 400 s (a
+                lease renewed so short would be lost at the next write). Nothing changed.
         """
+        check_lease_ttl(ttl_s, self._store.lease_margin_s, field="ttl_s",
+                        fix="use a longer ttl_s")
         return (yield from self._store.renew_lease(lease, ttl_s, self.clock.now))
 
     @op

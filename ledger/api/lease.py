@@ -44,6 +44,7 @@ from typing import Annotated, Any
 from ledger.api.arguments import ClockArg, LeaseTtl
 from ledger.api.face import AsyncFace, Face, SyncFace
 from ledger.clock import Clock, Sleeper
+from ledger.decide.settle import check_lease_ttl
 from ledger.domain.facts import Category, FailureFact, Phase, Source
 from ledger.domain.records import Lease, LeaseArg
 from ledger.domain.validation import Flag, Id, checked, duration, instance, methods
@@ -75,7 +76,10 @@ class KeeperCore:
 
     def __init__(self, ledger: SyncFace[Any, Any] | AsyncFace[Any, Any], lease: Lease, *,
                  ttl_s: float, interval_s: float | None = None, clock: Clock | None = None) -> None:
-        # The arguments as a keeper validated them; the one rule between two of them:
+        # The arguments as a keeper validated them; the rules between them and the ledger's
+        # margin: a lease renewed to less would be lost at the next write (acquire_lease
+        # refuses it too).
+        check_lease_ttl(ttl_s, ledger.lease_margin_s, field="ttl_s", fix="use a longer ttl_s")
         limit = ttl_s / 3
         if interval_s is None:
             interval_s = limit

@@ -177,11 +177,19 @@ def _credential_in(endpoint: str | None) -> str | None:
     try:
         parts = urlsplit(endpoint)
         userinfo = parts.username is not None or parts.password is not None
+        query = parts.query
     except ValueError:
-        return None  # not a URL: the adapter refuses it (cannot_build), with nothing in it
+        # Not a URL Python splits (an unclosed "[" of an IPv6 host): the adapter refuses it at
+        # the turn (cannot_build), but the plan is stored first, so its authority and query
+        # are read as text. The delimiters are RFC 3986's.
+        authority = endpoint.partition("//")[2]
+        for end in "/?#":
+            authority = authority.partition(end)[0]
+        userinfo = "@" in authority
+        query = endpoint.partition("?")[2].partition("#")[0]
     if userinfo:
         return "user:password@ in the URL"
-    named = sorted({k for k, _ in parse_qsl(parts.query, keep_blank_values=True)
+    named = sorted({k for k, _ in parse_qsl(query, keep_blank_values=True)
                     if k.lower() in _CREDENTIAL_PARAMS})
     if named:
         return f"the query parameter {named[0]!r}"

@@ -797,6 +797,10 @@ def _describe(err: Mapping[str, Any], owner: type[BaseModel] | None) -> tuple[st
         return f"is not a number{got}", "pass a number such as 1.5 (not a bool or a string)"
     if kind.startswith("decimal_"):
         return f"is not a decimal amount{got}", "pass a decimal amount such as '0.25'"
+    if kind == "string_unicode":
+        # A str with a lone surrogate (or bytes that are not UTF-8): a string all the same.
+        return (f"contains a lone surrogate or is not UTF-8{got}",
+                "pass text of whole Unicode characters (no lone surrogates)")
     if kind.startswith("string_"):
         return f"is not a string{got}", "pass a string"
     if kind.startswith("bytes_"):
