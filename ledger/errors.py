@@ -202,7 +202,8 @@ class DatabaseSetupError(ConfigError):
     ``url`` (without its password), ``problem`` (one of ``database_missing``, ``role_missing``,
     ``login_refused``, ``auth_failed``, ``password_missing``, ``hba_rejected``,
     ``connect_privilege``, ``connections_disabled``, ``createdb_privilege``,
-    ``schema_privilege``, ``schema_outdated``, ``folder_missing``, ``folder_read_only``,
+    ``schema_privilege``, ``schema_outdated``, ``schema_missing``, ``folder_missing``,
+    ``folder_read_only``,
     ``not_a_file``, ``not_a_ledger``; :class:`DatabaseReadOnly`'s ``read_only`` and
     ``write_privilege``) and
     ``database`` / ``role`` where known. ``schema_outdated``: the database was opened with

@@ -42,6 +42,7 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
+from ledger.decide.health import canonical_key
 from ledger.decide.preflight import Check, PreflightFailure
 from ledger.decide.profiles import Pin
 from ledger.decide.select import RunPermissions, SelectionInput
@@ -80,8 +81,12 @@ class RecordedInputs:
         no_probe: Routes whose probe another process had claimed.
         groups: The capacity-group projections the selector read, by group.
         refused: Groups whose admission refused an Attempt of the turn.
-        health: The health the selector read, by key (only the fields it reads).
+        health: The health the selector read, by key (only the fields it reads), a provider's
+            key folded as the selector looks it up now
+            (:func:`~ledger.decide.health.canonical_key`).
         verdicts: The first failed preflight check of each plan route that fails.
+        unfolded: Recorded before provider keys were folded (migration 0020): a
+            ``provider:`` key spelled otherwise than folded (see :func:`decided_again`).
     """
 
     by: str
@@ -102,6 +107,7 @@ class RecordedInputs:
     refused: frozenset[str]
     health: Mapping[str, Health]
     verdicts: Mapping[str, PreflightFailure]
+    unfolded: bool = False
 
 
 def _health_row(h: Health) -> list[float | None] | None:
@@ -202,6 +208,41 @@ def _health(k: str, row: Any) -> Health:
     return Health(key=k, cooldown_until=cu, disabled_until=du, last_probe_at=lp, last_used=lu)
 
 
+def _folded_health(table: Mapping[str, Any], memo: dict[Any, Any]) -> dict[str, Health]:
+    """The recorded health by key as the selector looks it up now.
+
+    A record made before migration 0020 keeps a provider's key as the route spelled it; rows
+    that fold to one key merge as 0020 merged the stored rows: the later cooldown end, disable,
+    probe and use of them.
+    """
+    rows: dict[str, list[Any]] = {}
+    for k, row in table.items():
+        rows.setdefault(canonical_key(k), []).append(row)
+    health = {}
+    for key, same in rows.items():
+        row = same[0] if len(same) == 1 else [
+            max((v for v in col if v is not None), default=None)
+            for col in zip(*same, strict=True)]
+        health[key] = _memo(memo, ("h", key, *row), partial(_health, key, row))
+    return health
+
+
+def decided_again(rec: RecordedInputs, plan: Sequence[Route]) -> bool:
+    """Whether ``rec`` can decide its decision again over ``plan`` (the Run's frozen plan).
+
+    Not when it was recorded before migration 0020 folded provider keys and the plan spells
+    one provider two ways (``OpenAI``, ``openai``): the selector then read each spelling's
+    routes under a key of its own, which the one folded key cannot give back. With one
+    spelling, folding renames the key and decides alike.
+    """
+    if not rec.unfolded:
+        return True
+    spellings: dict[str, set[str]] = {}
+    for r in plan:
+        spellings.setdefault(r.provider.casefold(), set()).add(r.provider)
+    return all(len(names) == 1 for names in spellings.values())
+
+
 def _verdict(row: Any) -> PreflightFailure:
     check, detail, fix = row
     return PreflightFailure(Check(check), _text(detail, "preflight"), _text(fix, "preflight"))
@@ -248,8 +289,8 @@ def parse_inputs(data: Any, *, memo: dict[Any, Any] | None = None) -> RecordedIn
                                   field="tried_pairs")
         groups = {g: _memo(memo, ("g", g, *row), partial(_group, g, row))
                   for g, row in _table(data, "groups").items()}
-        health = {k: _memo(memo, ("h", k, *row), partial(_health, k, row))
-                  for k, row in _table(data, "health").items()}
+        recorded_health = _table(data, "health")
+        health = _folded_health(recorded_health, memo)
         verdicts = {r: _memo(memo, ("v", *row), partial(_verdict, row))
                     for r, row in _table(data, "preflight").items()}
         pin = data.get("pin")
@@ -263,7 +304,8 @@ def parse_inputs(data: Any, *, memo: dict[Any, Any] | None = None) -> RecordedIn
             tried_pairs=frozenset((_text(r, "tried_pairs"), _text(p, "tried_pairs"))
                                   for r, p in pairs),
             no_probe=_texts(data, "no_probe"), groups=groups,
-            refused=_texts(data, "refused"), health=health, verdicts=verdicts)
+            refused=_texts(data, "refused"), health=health, verdicts=verdicts,
+            unfolded=any(canonical_key(k) != k for k in recorded_health))
     except InvalidArgument:
         raise
     except (TypeError, ValueError) as e:  # a row of the wrong shape, an unknown enum value
@@ -311,6 +353,7 @@ __all__ = [
     "INPUTS_VERSION",
     "ON",
     "RecordedInputs",
+    "decided_again",
     "parse_inputs",
     "record_inputs",
     "selection_input",

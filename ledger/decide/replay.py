@@ -44,7 +44,12 @@ from typing import Any
 
 from ledger.decide.classify import reclassify, refile
 from ledger.decide.health import as_read, route_key
-from ledger.decide.inputs import RecordedInputs, parse_inputs, selection_input
+from ledger.decide.inputs import (
+    RecordedInputs,
+    decided_again,
+    parse_inputs,
+    selection_input,
+)
 from ledger.decide.profiles import marks_profile_tried
 from ledger.decide.retry import retry_decision
 from ledger.decide.select import (
@@ -277,7 +282,9 @@ class Coverage:
     """What could not be replayed, and how the other policy's world was taken.
 
     ``decisions_without_inputs``: recorded decisions with no inputs (recorded before inputs
-    were, or by a host deciding itself), taken as recorded; ``turns_without_inputs``: turns none
+    were, or by a host deciding itself) or with inputs that cannot decide them again (recorded
+    before migration 0020 folded a provider's key, over a plan that spells that provider two
+    ways), taken as recorded; ``turns_without_inputs``: turns none
     of whose decisions can be replayed (counted alike under both policies);
     ``runs_without_policy``: Runs whose frozen policy does not read; ``malformed``: inputs that
     do not read. ``world`` says, per recorded policy, whether the other policy reads the
@@ -729,6 +736,10 @@ class _Replay:
                     inputs = parse_inputs(raw, memo=self.memo)
                 except InvalidArgument:
                     self.malformed += 1
+                if inputs is not None and not decided_again(inputs, run.plan):
+                    # Decided under one key per spelling of a provider (before migration
+                    # 0020), which the folded key cannot give back: taken as recorded.
+                    inputs = None
             if inputs is None:
                 without += 1
             att = self.by_id.get(rec.attempt_id) if rec.attempt_id else None

@@ -78,6 +78,9 @@ _SQLITE_DUPLICATE = ("SQLITE_CONSTRAINT_UNIQUE", "SQLITE_CONSTRAINT_PRIMARYKEY")
 _PG_REFUSED = ("25006", "42501")
 _PG_DUPLICATE = "23505"
 _PG_DISK_FULL = "53100"
+# invalid_schema_name: "no schema has been selected to create in" (a search_path naming no
+# schema that exists), a set-up problem like a database that does not exist.
+_PG_NO_SCHEMA = "3F000"
 # A transaction another one was in the way of: what happened, and when a retry can go through.
 _PG_CONTENTION = {
     "40P01": ("deadlock detected: this transaction and another each waited for a lock the "
@@ -312,6 +315,12 @@ def setup_error(problem: str, where: str, *, database: str | None = None,
             "process of this version migrated it; as the role that owns its tables, run "
             f"{init_command(where)} (or open it once with migrate_schema=True); nothing was "
             "written"),
+        "schema_missing": (
+            f"no schema of the search_path exists in database {db} for role {who}{said}: the "
+            "ledger creates its tables in the first schema of search_path, and the URL's "
+            "options (-c search_path=...) or the role's setting name none that exists; create "
+            f"it as the database's owner (in psql: CREATE SCHEMA name AUTHORIZATION {who};) or "
+            "correct search_path"),
         "connections_disabled": (
             f"database {db} does not accept connections: as its owner, ALTER DATABASE {db} "
             "ALLOW_CONNECTIONS true;"),
@@ -375,6 +384,8 @@ def _psycopg(e: BaseException, where: str, psycopg: Any) -> LedgerError:
     setup = _pg_setup(e, state, where)
     if setup is not None:
         return setup
+    if state == _PG_NO_SCHEMA:
+        return setup_error("schema_missing", where, text=text)
     if state in _PG_REFUSED:
         return _refused(text, where, privilege=state == "42501")
     if state == _PG_DISK_FULL:

@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from ledger.decide.classify import classify
-from ledger.decide.inputs import parse_inputs, record_inputs, selection_input
+from ledger.decide.inputs import decided_again, parse_inputs, record_inputs, selection_input
 from ledger.decide.preflight import Denials
 from ledger.decide.profiles import Pin
 from ledger.decide.select import (
@@ -211,3 +211,52 @@ def test_a_malformed_record_is_a_typed_error_naming_the_field(record: Any, field
     with pytest.raises(InvalidArgument) as e:
         parse_inputs(record)
     assert e.value.fields["field"] == field
+
+
+def _spelled(provider: str, rid: str, group: str) -> Route:
+    return Route(id=rid, provider=provider, model="m", group=group, recipient="r")
+
+
+def _recorded_before_the_fold(plan: list[Route], health: dict[str, Health]) -> Any:
+    """A record as the selector wrote it before migration 0020: provider keys as spelled."""
+    inp = SelectionInput(plan=plan, policy=POLICIES["goclaw"], now=NOW,
+                         permissions=RunPermissions(retries_left=2, calls_left=2),
+                         request=Envelope(parts=[Part(content="x")]), health=health)
+    return _stored(record_inputs(replace(inp, verdicts=preflight_verdicts(inp)),
+                                 by="select", on="new_turn", turn="t1"))
+
+
+def test_a_provider_key_recorded_before_the_fold_is_read_under_the_folded_key() -> None:
+    # goclaw keys health by provider. A Run whose routes spell it OpenAI recorded the cooldown
+    # under provider:OpenAI; the selector now looks up provider:openai, found nothing, and the
+    # replay under the recorded policy sent the turn to the cooling route (40 of 54 decisions
+    # "decided differently" in an upgraded ledger).
+    plan = [_spelled("OpenAI", "a", "ga"), _spelled("Other", "b", "gb")]
+    cooling = Health(key="provider:OpenAI", cooldown_until=NOW + 60)
+    rec = parse_inputs(_recorded_before_the_fold(plan, {"provider:OpenAI": cooling}))
+    assert set(rec.health) == {"provider:openai"} and rec.unfolded
+    assert decided_again(rec, plan)  # one spelling: the fold only renames the key
+    decision = select(selection_input(rec, plan=plan, policy=POLICIES["goclaw"],
+                                      role="research", grant=None, failure=None))
+    # Read as cooling: goclaw probes its cooling primary (unread, it was a plain first choice).
+    assert (decision.kind.value, decision.route.id, decision.detail) == (
+        "probe", "a", "probe of the cooling primary")
+
+
+def test_a_decision_over_two_spellings_of_a_provider_before_the_fold_is_not_decided_again(
+        ) -> None:
+    # Before the fold the selector read OpenAI's routes under one key and openai's under
+    # another: one cooling, one not, which no folded key gives back. Such a decision is taken
+    # as recorded (counted as without inputs), not reported as a disagreement.
+    plan = [_spelled("OpenAI", "a", "ga"), _spelled("openai", "b", "gb")]
+    rec = parse_inputs(_recorded_before_the_fold(plan, {
+        "provider:OpenAI": Health(key="provider:OpenAI", cooldown_until=NOW + 60),
+        "provider:openai": Health(key="provider:openai", last_used=NOW - 5)}))
+    assert not decided_again(rec, plan)
+    # Merged as migration 0020 merges the stored rows: the later of each time.
+    merged = rec.health["provider:openai"]
+    assert (merged.cooldown_until, merged.last_used) == (NOW + 60, NOW - 5)
+    # A record made since (folded keys) is decided again over any plan.
+    since = parse_inputs(_recorded_before_the_fold(plan, {
+        "provider:openai": Health(key="provider:openai", cooldown_until=NOW + 60)}))
+    assert not since.unfolded and decided_again(since, plan)

@@ -617,3 +617,18 @@ def test_a_retention_dry_run_needs_only_select_and_reports_what_the_owner_would_
     with Ledger.open(_url(pg_server, owner, db), clock=later) as led:
         done = led.drop_history(90 * 86400, by="ops", reason="keep 90 days")
     assert (done.dropped, done.kept) == (dry.dropped, dry.kept)
+
+
+@pytest.mark.postgres
+def test_a_search_path_naming_no_schema_is_a_setup_error_naming_create_schema(
+        pg_server: PgServer, capsys: pytest.CaptureFixture[str]) -> None:
+    # The server answers "no schema has been selected to create in" (3F000); it was a plain
+    # StorageError ("database error: ...", exit 1) with no fix, where every other set-up
+    # mistake is a DatabaseSetupError naming one (exit 2).
+    role, db = _name("pathless"), _name("pathless")
+    pg_server.psql(f"CREATE ROLE {role} LOGIN CREATEDB")
+    url = _url(pg_server, role, db) + "?options=-csearch_path%3Dnowhere"
+    err = _setup_error(lambda: _init_api(url), "schema_missing")
+    assert "CREATE SCHEMA name AUTHORIZATION" in str(err) and "search_path" in str(err)
+    assert main(["db", "init", url]) == 2
+    assert "no schema of the search_path exists" in capsys.readouterr().err
