@@ -13,13 +13,14 @@ import json
 import operator
 import re
 from collections.abc import Sequence
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import (
     ConfigDict,
     Field,
     StrictBool,
     StrictInt,
+    StrictStr,
     ValidationInfo,
     field_validator,
     model_validator,
@@ -38,7 +39,7 @@ from ledger.domain.media import (
     decode_data_url,
     kind_of,
 )
-from ledger.domain.validation import Id, Problem, StrictModel, Text
+from ledger.domain.validation import Id, Problem, StrictModel, as_id, text
 from ledger.domain.values import content_hash
 from ledger.errors import InvalidArgument
 
@@ -127,6 +128,30 @@ def _text(value: str) -> str:
     return value
 
 
+# The rules of a part's tool linkage, as its fields declare them: ``tool_call_id`` is an
+# identifier (Id's own rule), ``name`` a short printable text (Text's). An adapter judges a
+# provider's tool call by these very rule objects before it builds the call's part
+# (tool_link_problem), so what it lets through is what a part keeps.
+_LINK_RULES = {"tool_call_id": as_id, "name": text()}
+_CallId = Annotated[StrictStr, _LINK_RULES["tool_call_id"]]
+_PartName = Annotated[StrictStr, _LINK_RULES["name"]]
+
+
+def tool_link_problem(field: Literal["tool_call_id", "name"], value: str) -> str | None:
+    """What keeps ``value`` from being a part's ``tool_call_id`` or ``name``; ``None``: nothing.
+
+    The rule the field itself applies: an id is 1 to 200 printable characters, not only
+    whitespace; a name at most 200 printable characters (no NUL, line break or other control
+    character, no lone surrogate). An adapter asks it of a provider's tool call before the
+    call becomes a part of the answer (:func:`ledger.adapters.contract.proposed_call`).
+    """
+    try:
+        _LINK_RULES[field](value)
+    except Problem as e:
+        return e.problem
+    return None
+
+
 class Part(StrictModel):
     """One part of a prepared request: text, or an image or a document.
 
@@ -177,8 +202,8 @@ class Part(StrictModel):
     data_class: Id = Field(default=USER_INPUT, validate_default=True)
     # The Attempt id (model output) or tool-call id (tool result) that produced this content.
     provenance: Id | None = None
-    tool_call_id: Id | None = Field(default=None, validate_default=True)
-    name: Text | None = None
+    tool_call_id: _CallId | None = Field(default=None, validate_default=True)
+    name: _PartName | None = None
 
     # Bytes travel as base64 in JSON (a dumped envelope validates back to the same parts).
     model_config = ConfigDict(ser_json_bytes="base64", val_json_bytes="base64")
@@ -594,4 +619,5 @@ __all__ = [
     "json_data_problem",
     "lone_surrogate",
     "require_parts",
+    "tool_link_problem",
 ]
