@@ -9,13 +9,13 @@ import math
 import os
 from abc import ABC, abstractmethod
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from decimal import Decimal
 from typing import Any, ClassVar, TypeAlias
 
 from ledger.adapters.sse import SSEEvent
 from ledger.domain.carried import files_alone, json_object, sent_order
-from ledger.domain.envelope import MODEL_DERIVED, Envelope, Part
+from ledger.domain.envelope import MODEL_DERIVED, Envelope, Part, tool_link_problem
 from ledger.domain.facts import Observation, WireProtocol
 from ledger.domain.media import (
     ACCEPTED_MEDIA_TYPES,
@@ -55,13 +55,18 @@ class Usage:
 class ToolCall:
     """A tool call the model proposed. ``arguments_json`` is the model's text, verbatim.
 
-    An adapter's answer holds only calls whose arguments are a JSON object
-    (:func:`proposed_call`); ``arguments`` is ``None`` only for one built by hand.
+    An adapter's answer holds only calls whose arguments are a JSON object, whose ``name`` a
+    part can keep and whose ``id`` a part can keep (:func:`proposed_call`); ``arguments`` is
+    ``None`` only for one built by hand. ``provider_id`` is the id the provider gave the call
+    when no part could keep it (over 200 characters, holding a line break or a NUL, blank):
+    ``id`` is then one the adapter made up (:func:`made_up_call_id`), and a Run records the
+    pair in a ``tool_call_id`` event. ``None`` otherwise.
     """
 
     id: str
     name: str
     arguments_json: str = "{}"
+    provider_id: str | None = None
 
     @property
     def arguments(self) -> dict[str, Any] | None:
@@ -238,18 +243,33 @@ MAX_TOOL_CALLS = 128
 def proposed_call(call: ToolCall, calls: Sequence[ToolCall], where: str) -> ToolCall:
     """``call``, checked before it joins ``calls`` (the answer's proposals so far).
 
-    Its arguments must be a JSON object a request body can carry (no NaN, infinity or lone
-    surrogate): the host sends a proposal back as an assistant part in the next turn, where
-    any other text is refused as caller misuse (:func:`ledger.domain.carried.tool_arguments`,
-    the same rule), so it is the provider's malformed answer, not a success.
+    The host sends a proposal back as an assistant part in the next turn, and the answer's
+    parts are built from it when the Attempt settles, so what no part can keep is settled
+    here, by the part's own rules (:func:`~ledger.domain.envelope.tool_link_problem`):
+
+    * its arguments must be a JSON object a request body can carry (no NaN, infinity or lone
+      surrogate; :func:`ledger.domain.carried.tool_arguments`, the same rule), and its name a
+      part's ``name`` (at most 200 printable characters): the host dispatches by the name, so
+      it cannot be changed, and either is the provider's malformed answer, not a success;
+    * an id no part's ``tool_call_id`` can be (over 200 characters, a line break or a NUL,
+      blank) is only the provider's handle for the call, which the request sends back with
+      its result: the call gets a made-up one (:func:`made_up_call_id`), as a call without
+      an id does, and keeps the provider's as ``provider_id``.
     """
     if len(calls) >= MAX_TOOL_CALLS:
         raise MalformedPayload(
             f"the answer proposes more than {MAX_TOOL_CALLS} tool calls (MAX_TOOL_CALLS)")
+    problem = tool_link_problem("name", call.name)
+    if problem is not None:
+        raise MalformedPayload(
+            f"{where}: the name of tool call {call.name[:64]!r} {problem}: no conversation can "
+            "carry it back (a tool's name is at most 200 printable characters)")
     if call.arguments is None:
         raise MalformedPayload(
             f"{where}: the arguments of tool call {call.name[:64]!r} are not a JSON object a "
             f"request can carry back: {call.arguments_json[:64]!r}")
+    if tool_link_problem("tool_call_id", call.id) is not None:
+        return replace(call, id=made_up_call_id(), provider_id=call.id)
     return call
 
 

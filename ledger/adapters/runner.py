@@ -68,6 +68,10 @@ def _parts(result: AdapterResult, attempt_id: str, text: Part) -> tuple[Part, ..
 def to_send_result(result: AdapterResult, attempt_id: str) -> SendResult:
     """What the retry owner records for ``result`` (``sent`` is copied as reported).
 
+    A tool call whose id the adapter made up in place of the provider's
+    (:attr:`~ledger.adapters.contract.ToolCall.provider_id`) is named in ``renamed_calls``,
+    which the settle records as ``tool_call_id`` events.
+
     A failure carries the usage it reported as an answer does: the provider may have billed it
     (a Responses ``incomplete`` answer, a stream its error event ended), and the Run is posted
     that cost rather than nothing or the whole hold. It carries the model the provider named
@@ -84,6 +88,8 @@ def to_send_result(result: AdapterResult, attempt_id: str) -> SendResult:
         **reported(result),
         output_hash=text.content_hash,
         parts=_parts(result, attempt_id, text),
+        renamed_calls=tuple((c.provider_id, c.id) for c in result.tool_calls
+                            if c.provider_id is not None),
     )
 
 

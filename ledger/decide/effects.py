@@ -287,6 +287,11 @@ class SendResult:
             each recorded as provenance of the Attempt at settle so the next turn can carry
             them.
         partial_text: On a failure, text the caller was shown before it (effective output).
+        renamed_calls: ``(provider id, call id)`` of each tool call of the answer whose id
+            the provider gave could not be a part's ``tool_call_id`` (over 200 characters, a
+            line break or a NUL, blank), so the adapter made one up
+            (:attr:`ledger.adapters.ToolCall.provider_id`): the settle records each in a
+            ``tool_call_id`` event of the Attempt.
     """
 
     ok: bool
@@ -305,6 +310,7 @@ class SendResult:
     partial_text: str = ""
     cached_tokens: int | None = None
     reasoning_tokens: int | None = None
+    renamed_calls: tuple[tuple[str, str], ...] = ()
 
     @property
     def provenance(self) -> tuple[str, ...]:

@@ -99,7 +99,13 @@ from ledger.decide.stops import (
 )
 from ledger.domain.bounds import MAX_TOKENS
 from ledger.domain.carried import Uncarried
-from ledger.domain.envelope import DEFAULT_OUTPUT_TOKENS, DERIVED_ROLE_CLASS, Envelope, Part
+from ledger.domain.envelope import (
+    DEFAULT_OUTPUT_TOKENS,
+    DERIVED_ROLE_CLASS,
+    Envelope,
+    Part,
+    tool_link_problem,
+)
 from ledger.domain.facts import Category, FailureFact, Observation, Phase, Source
 from ledger.domain.records import (
     AttemptKind,
@@ -370,6 +376,23 @@ def _as_reported(value: Any) -> str:
     if len(text) <= MAX_REPORTED_CHARS:
         return text
     return text[:MAX_REPORTED_CHARS] + f"...[{len(text)} characters]"
+
+
+def _renamed_calls(result: SendResult) -> list[tuple[str, dict[str, Any]]]:
+    """A ``tool_call_id`` event for each call whose provider id the adapter replaced.
+
+    The integrations write the same event when they give a call a stable id, with the same
+    keys. The provider's id is what no part could keep (a 16 MiB text, a NUL, a terminal
+    escape): the event keeps it as a provider's text is stored (printable, redacted, its first
+    200 characters), with its length and why it was replaced.
+    """
+    out: list[tuple[str, dict[str, Any]]] = []
+    for provider_id, call_id in result.renamed_calls:
+        out.append(("tool_call_id", {
+            "provider_id": provider_text(provider_id), "provider_id_chars": len(provider_id),
+            "call_id": provider_text(call_id),
+            "problem": tool_link_problem("tool_call_id", provider_id)}))
+    return out
 
 
 def ledger_closed(error: BaseException) -> bool:
@@ -1049,7 +1072,8 @@ class TurnLoop:
             completion_tokens=u.completion_tokens, cost=u.cost,
             model_reported=provider_text(result.model_reported), output_hash=result.output_hash,
             tool_started=progress.tool_started or None, provenance=result.provenance,
-            events=u.events, cached_tokens=u.cached_tokens, reasoning_tokens=u.reasoning_tokens,
+            events=[*u.events, *_renamed_calls(result)], cached_tokens=u.cached_tokens,
+            reasoning_tokens=u.reasoning_tokens,
             times=progress.since(att.created_at), began_at=att.created_at,
             keep_profile=keep_profile))
 
