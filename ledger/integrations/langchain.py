@@ -49,7 +49,15 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequen
 from typing import Any, Literal
 
 from ledger.api.session import AsyncRunSession, RunSession
-from ledger.domain.envelope import MODEL_DERIVED, SYSTEM, USER_INPUT, Envelope, Part, ToolSpec
+from ledger.domain.envelope import (
+    MODEL_DERIVED,
+    SYSTEM,
+    USER_INPUT,
+    Envelope,
+    Part,
+    ToolSpec,
+    tool_link_problem,
+)
 from ledger.domain.media import REASONING_MEDIA_TYPE, MediaKind
 from ledger.errors import FailoverExhausted, InvalidArgument
 from ledger.integrations._run import (
@@ -169,6 +177,18 @@ def _text_and_files(message: BaseMessage, what: str, data_class: str | None
                 "documents go in a human message, or in a tool message when a tool returned "
                 "them)", field="messages")
     return "".join(out), files
+
+
+def _in_message(error: InvalidArgument, at: int, message: BaseMessage) -> InvalidArgument:
+    """``error`` naming the message of the history it is about (``messages[3]``).
+
+    A history holds many messages of one kind (a tool message per call), and what the ledger
+    refuses in one (an id over 200 characters, a link a tool returned) says nothing of which.
+    """
+    inner = error.fields.get("part_field") or (None if error.field == "messages"
+                                               else error.field)
+    return InvalidArgument(f"messages[{at}] (a {type(message).__name__}): {error.message}",
+                           field="messages", message_index=at, part_field=inner)
 
 
 def _media_part(block: dict[str, Any], role: str, data_class: str) -> Part:
@@ -499,46 +519,60 @@ class LedgerChatModel(BaseChatModel):
                 out[target] = value
         parts: list[Part] = []
         calls: list[Part] = []
-        returns: list[tuple[int, ToolMessage]] = []
-        for message in messages:
-            if isinstance(message, AIMessage):
-                if _details(message).get("stop") and not message.tool_calls:
-                    continue  # a stop's notice (exit_behavior="end"), never model output
-                answer = ai_parts(message)
-                calls += [p for p in answer if p.tool_call_id is not None]
-                parts += answer
-            elif isinstance(message, SystemMessage):
-                text, _none = _text_and_files(message, "a system message", None)
-                parts.append(Part(role="system", content=text, data_class=SYSTEM))
-            elif isinstance(message, HumanMessage):
-                for block in message.content_blocks:
-                    if block.get("type") == "text":
-                        parts.append(Part(content=str(block.get("text", "")),
-                                          data_class=USER_INPUT))
-                    elif block.get("type") in ("image", "file", "text-plain"):
-                        parts.append(await link.document(_media_part(
-                            dict(block), "user", link.document_data_class)))
-                    else:
+        returns: list[tuple[int, int, ToolMessage]] = []  # (part index, message index, ...)
+        for at, message in enumerate(messages):
+            try:
+                if isinstance(message, AIMessage):
+                    if _details(message).get("stop") and not message.tool_calls:
+                        continue  # a stop's notice (exit_behavior="end"), never model output
+                    answer = ai_parts(message)
+                    calls += [p for p in answer if p.tool_call_id is not None]
+                    parts += answer
+                elif isinstance(message, SystemMessage):
+                    text, _none = _text_and_files(message, "a system message", None)
+                    parts.append(Part(role="system", content=text, data_class=SYSTEM))
+                elif isinstance(message, HumanMessage):
+                    for block in message.content_blocks:
+                        if block.get("type") == "text":
+                            parts.append(Part(content=str(block.get("text", "")),
+                                              data_class=USER_INPUT))
+                        elif block.get("type") in ("image", "file", "text-plain"):
+                            parts.append(await link.document(_media_part(
+                                dict(block), "user", link.document_data_class)))
+                        else:
+                            raise InvalidArgument(
+                                f"a human message block of type {block.get('type')!r} cannot be "
+                                "sent through a ledger Run (its envelopes carry text, images and "
+                                "documents)", field="messages")
+                elif isinstance(message, ToolMessage):
+                    problem = tool_link_problem("tool_call_id", message.tool_call_id)
+                    if problem is not None:
+                        # Said here as the framework's field: the parts it would become
+                        # carry the id twice (tool_call_id and provenance).
                         raise InvalidArgument(
-                            f"a human message block of type {block.get('type')!r} cannot be "
-                            "sent through a ledger Run (its envelopes carry text, images and "
-                            "documents)", field="messages")
-            elif isinstance(message, ToolMessage):
-                returns.append((len(parts), message))
-                parts.append(Part(content=""))  # replaced below, once recorded
-            else:
-                raise InvalidArgument(
-                    f"a {type(message).__name__} cannot be sent through a ledger Run (system, "
-                    "human, AI and tool messages can)", field="messages")
+                            f"invalid tool_call_id: {problem}; a tool message answers a call "
+                            "by its id: pass the id of the AIMessage's tool call it answers",
+                            field="messages", part_field="tool_call_id")
+                    returns.append((len(parts), at, message))
+                    parts.append(Part(content=""))  # replaced below, once recorded
+                else:
+                    raise InvalidArgument(
+                        f"a {type(message).__name__} cannot be sent through a ledger Run (system, "
+                        "human, AI and tool messages can)", field="messages")
+            except InvalidArgument as e:
+                raise _in_message(e, at, message) from e
         results: dict[int, list[Part]] = {}
-        for index, tool in returns:
-            tool_name: str | None = next((c.name for c in calls
-                                          if c.tool_call_id == tool.tool_call_id), tool.name)
-            text, files = _text_and_files(tool, f"tool message {tool.tool_call_id!r}",
-                                          link.tool_data_class)
-            results[index] = await link.tool_parts(
-                tool.tool_call_id, tool_name, text, calls, files, field="messages",
-                bytes_fix="an image or file block with base64 and mime_type")
+        for index, at, tool in returns:
+            try:
+                tool_name: str | None = next((c.name for c in calls
+                                              if c.tool_call_id == tool.tool_call_id), tool.name)
+                text, files = _text_and_files(tool, f"tool message {tool.tool_call_id!r}",
+                                              link.tool_data_class)
+                results[index] = await link.tool_parts(
+                    tool.tool_call_id, tool_name, text, calls, files, field="messages",
+                    bytes_fix="an image or file block with base64 and mime_type")
+            except InvalidArgument as e:
+                raise _in_message(e, at, tool) from e
         try:
             return Envelope(parts=spliced(parts, results), tools=tools, stream=stream, **out)
         except InvalidArgument as e:

@@ -1096,3 +1096,27 @@ def test_an_image_the_model_returned_is_a_content_block_the_next_call_carries(
     asyncio.run(main())
     assert len(fake.requests) == 2
     assert [m.role for m in fake.requests[1].media] == ["model"]
+
+
+def test_a_history_message_the_ledger_refuses_is_named_by_its_index(
+        db_url: str, fake: FakeProvider) -> None:
+    """A history holds a tool message per call: the refusal of one says which it is."""
+    fake.enqueue(Behavior(tool_call=("search", {"query": "10-K"})))
+
+    async def main() -> None:
+        async with AsyncLedger.open(db_url) as led, \
+                led.run("tool-id", plan=routes(fake), budget=BUDGET, grant=GRANT) as run:
+            model = LedgerChatModel(run).bind_tools([search])
+            first = await model.ainvoke([HumanMessage("Search.")])
+            (call,) = first.tool_calls
+            answered = ToolMessage("3 hits", tool_call_id=call["id"])
+            stray = ToolMessage("4 hits", tool_call_id="x" * 300)
+            with pytest.raises(InvalidArgument) as ei:
+                await model.ainvoke([HumanMessage("Search."), first, answered, stray])
+            assert ei.value.field == "messages" and ei.value.fields["message_index"] == 3
+            assert ei.value.fields["part_field"] == "tool_call_id"
+            assert str(ei.value).startswith("messages[3] (a ToolMessage): invalid tool_call_id: "
+                                            "is 300 characters long")
+
+    asyncio.run(main())
+    assert len(fake.requests) == 1
