@@ -14,12 +14,14 @@ loopback, every protocol, both drivers.
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 import pytest
 
 from ledger.adapters import HttpAdapter, Reset, StreamEvent, TextDelta, ToolCallProposal
 from ledger.adapters.contract import MAX_TOOL_CALLS
+from ledger.adapters.runner import output_parts
 from ledger.domain.envelope import Envelope, Part, ToolSpec
 from ledger.domain.facts import Phase, Transport
 from ledger.testing import Behavior, FakeProvider, Fault
@@ -252,3 +254,54 @@ async def test_a_parameter_that_brings_its_own_tools_offers_them(
     fake.enqueue(_answer(protocol, stream))
     result, _ = await _send(adapter, fake, protocol, stream, tools=[], params=params)
     assert result.ok and [c.name for c in result.tool_calls] == ["search"], result.observation
+
+
+# An id no part's tool_call_id can be: too long, with a line break and a NUL.
+_BAD_ID = "id\n\x00" + "x" * 300
+
+
+def _with_call(protocol: str, stream: bool, *, call_id: str | None = None,
+               name: str | None = None) -> Behavior:
+    """``_answer`` with its call's id and name replaced (Gemini's call is given the id)."""
+    body = _streamed(protocol) if stream else _body(protocol, 1)
+    if call_id is not None:
+        old = {"openai": b'"id": "c0"', "openai_responses": b'"call_id": "c0"',
+               "anthropic": b'"id": "t0"', "gemini": b'"functionCall": {'}[protocol]
+        new = (b'"functionCall": {"id": ' + json.dumps(call_id).encode() + b", "
+               if protocol == "gemini" else old.split(b":")[0] + b": "
+               + json.dumps(call_id).encode())
+        assert old in body
+        body = body.replace(old, new)
+    if name is not None:
+        body = body.replace(b'"name": "search"', b'"name": ' + json.dumps(name).encode())
+    return _raw(body, stream=stream)
+
+
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_call_id_no_part_can_keep_is_made_up_before_the_proposal_is_delivered(
+        adapter: HttpAdapter, fake: FakeProvider, protocol: str, stream: bool) -> None:
+    fake.enqueue(_with_call(protocol, stream, call_id=_BAD_ID))
+    result, events = await _send(adapter, fake, protocol, stream)
+    assert result.ok, result.observation
+    [call] = result.tool_calls
+    assert re.fullmatch(r"call_[0-9a-f]{24}", call.id) and call.provider_id == _BAD_ID
+    assert call.name == "search"
+    # The caller is shown the id the answer's part will carry, never the provider's.
+    assert [e.call for e in events if isinstance(e, ToolCallProposal)] == (
+        [call] if stream else [])
+    [part] = [p for p in output_parts(result, "att-1") if p.tool_call_id is not None]
+    assert (part.tool_call_id, part.name) == (call.id, "search")
+
+
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("name", ["sea\x00rch", "s" * 201])
+async def test_a_tool_name_no_part_can_keep_is_a_malformed_answer(
+        adapter: HttpAdapter, fake: FakeProvider, protocol: str, stream: bool,
+        name: str) -> None:
+    """The host runs the tool the name names: it cannot be made up as an id is."""
+    fake.enqueue(_with_call(protocol, stream, name=name))
+    result, events = await _send(adapter, fake, protocol, stream)
+    _assert_malformed(result, events, stream=stream, after_text=stream)
+    assert f"the name of tool call {name[:64]!r}" in result.observation.message
