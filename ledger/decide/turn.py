@@ -381,10 +381,10 @@ def _as_reported(value: Any) -> str:
 def _renamed_calls(result: SendResult) -> list[tuple[str, dict[str, Any]]]:
     """A ``tool_call_id`` event for each call whose provider id the adapter replaced.
 
-    The integrations write the same event when they give a call a stable id, with the same
-    keys. The provider's id is what no part could keep (a 16 MiB text, a NUL, a terminal
-    escape): the event keeps it as a provider's text is stored (printable, redacted, its first
-    200 characters), with its length and why it was replaced.
+    The integrations write an event of this kind when they give a call a stable id
+    (``provider_id``, ``call_id``). Here the provider's id is what no part could keep (a
+    16 MiB text, a NUL, a terminal escape): the event keeps it as a provider's text is stored
+    (printable, redacted, its first 200 characters), with its length and why it was replaced.
     """
     out: list[tuple[str, dict[str, Any]]] = []
     for provider_id, call_id in result.renamed_calls:
