@@ -33,21 +33,38 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def _timeout_of(item: pytest.Item) -> float:
-    marker = item.get_closest_marker("timeout")
-    if marker is not None and marker.args:
-        return float(marker.args[0])
-    option = item.config.getoption("timeout", None)
-    if option is not None:
-        return float(option)
+    """The item's timeout as pytest-timeout decides it (its marker in any form,
+    ``PYTEST_TIMEOUT``, ``--timeout``, the ini value); 0: none."""
     try:
-        return float(item.config.getini("timeout") or 0)
-    except ValueError:
-        return 0.0
+        import pytest_timeout
+
+        return float(pytest_timeout._get_item_settings(item).timeout or 0)
+    except (ImportError, AttributeError):  # another pytest-timeout: its plain settings
+        marker = item.get_closest_marker("timeout")
+        if marker is not None and marker.args:
+            return float(marker.args[0])
+        return float(item.config.getoption("timeout", None) or item.config.getini("timeout")
+                     or 0)
+
+
+def _debugging() -> bool:
+    """Whether a debugger is attached (pytest-timeout times nothing out then either)."""
+    try:
+        import pytest_timeout
+
+        return bool(pytest_timeout.is_debugging())
+    except (ImportError, AttributeError):
+        return False
+
+
+def pytest_enter_pdb() -> None:
+    # Someone is at a --pdb prompt: as pytest-timeout does, no longer time the test.
+    faulthandler.cancel_dump_traceback_later()
 
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
-    limit = _timeout_of(item)
+    limit = 0.0 if _debugging() else _timeout_of(item)
     if limit > 0:
         faulthandler.dump_traceback_later(limit + GRACE_S, exit=True, file=_stderr["fd"])
     try:

@@ -42,7 +42,7 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
-from ledger.decide.health import canonical_key
+from ledger.decide.health import PROVIDER_KEY_PREFIX, canonical_key
 from ledger.decide.preflight import Check, PreflightFailure
 from ledger.decide.profiles import Pin
 from ledger.decide.select import RunPermissions, SelectionInput
@@ -51,8 +51,12 @@ from ledger.domain.values import Grant, GroupMode, GroupProjection, Health, Rout
 from ledger.errors import InvalidArgument
 from ledger.policy.model import Policy
 
-#: The version of the recorded format (``"v"``); a reader refuses another.
-INPUTS_VERSION = 1
+#: The version of the recorded format (``"v"``); a reader refuses any but it and
+#: :data:`READ_VERSIONS`. 2: a provider's health key is folded (migration 0020) in every
+#: record; a version-1 record may keep it as a route spelled it.
+INPUTS_VERSION = 2
+#: The versions a reader takes: the same members, read alike.
+READ_VERSIONS = (1, 2)
 
 #: How a recorded decision was made (``by``).
 BY = ("select", "retry", "after_rejection")
@@ -85,8 +89,8 @@ class RecordedInputs:
             key folded as the selector looks it up now
             (:func:`~ledger.decide.health.canonical_key`).
         verdicts: The first failed preflight check of each plan route that fails.
-        unfolded: Recorded before provider keys were folded (migration 0020): a
-            ``provider:`` key spelled otherwise than folded (see :func:`decided_again`).
+        version: The record's format (``v``): 1 may predate the folded provider keys
+            (:func:`decided_again`).
     """
 
     by: str
@@ -107,7 +111,7 @@ class RecordedInputs:
     refused: frozenset[str]
     health: Mapping[str, Health]
     verdicts: Mapping[str, PreflightFailure]
-    unfolded: bool = False
+    version: int = INPUTS_VERSION
 
 
 def _health_row(h: Health) -> list[float | None] | None:
@@ -230,17 +234,21 @@ def _folded_health(table: Mapping[str, Any], memo: dict[Any, Any]) -> dict[str, 
 def decided_again(rec: RecordedInputs, plan: Sequence[Route]) -> bool:
     """Whether ``rec`` can decide its decision again over ``plan`` (the Run's frozen plan).
 
-    Not when it was recorded before migration 0020 folded provider keys and the plan spells
-    one provider two ways (``OpenAI``, ``openai``): the selector then read each spelling's
-    routes under a key of its own, which the one folded key cannot give back. With one
-    spelling, folding renames the key and decides alike.
+    Not when it may have been recorded before migration 0020 folded provider keys (a
+    version-1 record), it holds a provider's health, and the plan spells that provider two ways
+    (``OpenAI``, ``openai``): the selector then read each spelling's routes under a key of its
+    own, and a row under one spelling (the only one recorded, a healthy spelling has none) was
+    never read for the other's routes, which the one folded key cannot give back. With one
+    spelling, folding renames the key and decides alike. Conservative: a version-1 record made
+    after 0020 over such a plan is not decided again either, since nothing in it says when.
     """
-    if not rec.unfolded:
+    if rec.version >= 2:
         return True
     spellings: dict[str, set[str]] = {}
     for r in plan:
         spellings.setdefault(r.provider.casefold(), set()).add(r.provider)
-    return all(len(names) == 1 for names in spellings.values())
+    split = {PROVIDER_KEY_PREFIX + name for name, names in spellings.items() if len(names) > 1}
+    return not split.intersection(rec.health)
 
 
 def _verdict(row: Any) -> PreflightFailure:
@@ -270,9 +278,9 @@ def parse_inputs(data: Any, *, memo: dict[Any, Any] | None = None) -> RecordedIn
         InvalidArgument: ``data`` is not such a record (another version, a missing or
             mistyped member; ``field`` names it).
     """
-    if not isinstance(data, Mapping) or data.get("v") != INPUTS_VERSION:
-        raise InvalidArgument(f"not a version-{INPUTS_VERSION} record of selection inputs",
-                              field="v")
+    if not isinstance(data, Mapping) or data.get("v") not in READ_VERSIONS:
+        raise InvalidArgument("not a record of selection inputs of version "
+                              + " or ".join(map(str, READ_VERSIONS)), field="v")
     memo = {} if memo is None else memo
     try:
         by, on = data.get("by"), data.get("on")
@@ -289,8 +297,7 @@ def parse_inputs(data: Any, *, memo: dict[Any, Any] | None = None) -> RecordedIn
                                   field="tried_pairs")
         groups = {g: _memo(memo, ("g", g, *row), partial(_group, g, row))
                   for g, row in _table(data, "groups").items()}
-        recorded_health = _table(data, "health")
-        health = _folded_health(recorded_health, memo)
+        health = _folded_health(_table(data, "health"), memo)
         verdicts = {r: _memo(memo, ("v", *row), partial(_verdict, row))
                     for r, row in _table(data, "preflight").items()}
         pin = data.get("pin")
@@ -305,7 +312,7 @@ def parse_inputs(data: Any, *, memo: dict[Any, Any] | None = None) -> RecordedIn
                                   for r, p in pairs),
             no_probe=_texts(data, "no_probe"), groups=groups,
             refused=_texts(data, "refused"), health=health, verdicts=verdicts,
-            unfolded=any(canonical_key(k) != k for k in recorded_health))
+            version=int(data["v"]))
     except InvalidArgument:
         raise
     except (TypeError, ValueError) as e:  # a row of the wrong shape, an unknown enum value
@@ -352,6 +359,7 @@ __all__ = [
     "BY",
     "INPUTS_VERSION",
     "ON",
+    "READ_VERSIONS",
     "RecordedInputs",
     "decided_again",
     "parse_inputs",

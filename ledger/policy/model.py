@@ -9,6 +9,7 @@ fix, which :mod:`ledger.policy.load` turns into a :class:`ledger.errors.PolicyEr
 from __future__ import annotations
 
 import math
+import unicodedata
 from collections.abc import Iterable, Mapping
 from collections.abc import Set as AbstractSet
 from typing import Annotated, Any, Literal
@@ -1157,6 +1158,13 @@ class Policy(StrictModel):
         return _shown_as_written(v, "description", info, lines=True)
 
 
+# Unicode categories a terminal or a page does not print as themselves: controls (Cc), format
+# characters (Cf: the bidi overrides, zero-width spaces), line and paragraph separators (Zl,
+# Zp) and lone surrogates (Cs). Spaces (Zs: U+00A0, U+202F, U+3000 of French, Japanese or
+# Chinese text) print as spaces; private-use and unassigned code points as glyphs or boxes.
+_NOT_SHOWN = frozenset({"Cc", "Cf", "Zl", "Zp", "Cs"})
+
+
 def _shown_as_written(v: str, name: str, info: ValidationInfo, *, lines: bool = False) -> str:
     """``v`` unless it holds a character that is not printed as itself.
 
@@ -1165,11 +1173,12 @@ def _shown_as_written(v: str, name: str, info: ValidationInfo, *, lines: bool = 
     would rewrite what an operator reads. ``lines``: line breaks and tabs are text there.
     """
     bad = next((i for i, c in enumerate(v)
-                if not c.isprintable() and not (lines and c in "\n\t")), None)
+                if unicodedata.category(c) in _NOT_SHOWN and not (lines and c in "\n\t")),
+               None)
     if bad is not None and _admitting(info):
         raise PolicyValueError(
             f"the {name} holds U+{ord(v[bad]):04X} at position {bad}, a character that is not "
-            "printed as itself (a control, format or bidi character)",
+            "printed as itself (a control, format, bidi or line separator character)",
             f"write the {name} in printable characters" + (
                 " (line breaks and tabs may stay)" if lines else ""),
         )

@@ -183,7 +183,7 @@ def test_the_record_keeps_only_what_can_change_a_decision() -> None:
                 "go-glm": Health(key="go-glm", cooldown_until=NOW + 60)})
     rec = record_inputs(replace(inp, verdicts=preflight_verdicts(inp)), by="select",
                         on="new_turn", turn="t1")
-    assert rec == {"v": 1, "by": "select", "on": "new_turn", "turn": "t1", "at": NOW,
+    assert rec == {"v": 2, "by": "select", "on": "new_turn", "turn": "t1", "at": NOW,
                    "left": [1, 2], "groups": {"official": ["cooldown", NOW + 30, NOW - 2]},
                    "health": {"go-glm": [NOW + 60, None, None, None]}}
     with pytest.raises(InvalidArgument) as e:
@@ -192,7 +192,7 @@ def test_the_record_keeps_only_what_can_change_a_decision() -> None:
 
 
 @pytest.mark.parametrize(("record", "field"), [
-    ({"v": 2}, "v"),
+    ({"v": 3}, "v"),
     ("not a record", "v"),
     ({"v": 1, "by": "guess", "on": "new_turn", "turn": "t", "at": 1.0, "left": [1, 1]}, "by"),
     ({"v": 1, "by": "select", "on": "new_turn", "turn": "t", "at": "soon", "left": [1, 1]},
@@ -217,13 +217,15 @@ def _spelled(provider: str, rid: str, group: str) -> Route:
     return Route(id=rid, provider=provider, model="m", group=group, recipient="r")
 
 
-def _recorded_before_the_fold(plan: list[Route], health: dict[str, Health]) -> Any:
-    """A record as the selector wrote it before migration 0020: provider keys as spelled."""
+def _recorded_before_the_fold(plan: list[Route], health: dict[str, Health],
+                              version: int = 1) -> Any:
+    """A record as the selector wrote it before migration 0020: provider keys as spelled, in
+    format 1 (``version``: as a record of that format, whatever its keys)."""
     inp = SelectionInput(plan=plan, policy=POLICIES["goclaw"], now=NOW,
                          permissions=RunPermissions(retries_left=2, calls_left=2),
                          request=Envelope(parts=[Part(content="x")]), health=health)
-    return _stored(record_inputs(replace(inp, verdicts=preflight_verdicts(inp)),
-                                 by="select", on="new_turn", turn="t1"))
+    return {**_stored(record_inputs(replace(inp, verdicts=preflight_verdicts(inp)),
+                                    by="select", on="new_turn", turn="t1")), "v": version}
 
 
 def test_a_provider_key_recorded_before_the_fold_is_read_under_the_folded_key() -> None:
@@ -234,7 +236,7 @@ def test_a_provider_key_recorded_before_the_fold_is_read_under_the_folded_key() 
     plan = [_spelled("OpenAI", "a", "ga"), _spelled("Other", "b", "gb")]
     cooling = Health(key="provider:OpenAI", cooldown_until=NOW + 60)
     rec = parse_inputs(_recorded_before_the_fold(plan, {"provider:OpenAI": cooling}))
-    assert set(rec.health) == {"provider:openai"} and rec.unfolded
+    assert set(rec.health) == {"provider:openai"} and rec.version == 1
     assert decided_again(rec, plan)  # one spelling: the fold only renames the key
     decision = select(selection_input(rec, plan=plan, policy=POLICIES["goclaw"],
                                       role="research", grant=None, failure=None))
@@ -256,7 +258,13 @@ def test_a_decision_over_two_spellings_of_a_provider_before_the_fold_is_not_deci
     # Merged as migration 0020 merges the stored rows: the later of each time.
     merged = rec.health["provider:openai"]
     assert (merged.cooldown_until, merged.last_used) == (NOW + 60, NOW - 5)
-    # A record made since (folded keys) is decided again over any plan.
-    since = parse_inputs(_recorded_before_the_fold(plan, {
-        "provider:openai": Health(key="provider:openai", cooldown_until=NOW + 60)}))
-    assert not since.unfolded and decided_again(since, plan)
+    # Only one spelling's row recorded (the other was healthy, and a healthy key has none):
+    # nothing in the keys says the record predates the fold, yet OpenAI's routes never read
+    # openai's cooldown then. A record of format 1 is not decided again over such a plan.
+    lower_only = {"provider:openai": Health(key="provider:openai", cooldown_until=NOW + 60)}
+    assert not decided_again(parse_inputs(_recorded_before_the_fold(plan, lower_only)), plan)
+    # Nor is that needed when the record holds no health of the provider spelled two ways.
+    assert decided_again(parse_inputs(_recorded_before_the_fold(plan, {})), plan)
+    # A record made since (format 2: folded keys) is decided again over any plan.
+    since = parse_inputs(_recorded_before_the_fold(plan, lower_only, version=2))
+    assert since.version == 2 and decided_again(since, plan)

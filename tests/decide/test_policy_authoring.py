@@ -494,7 +494,9 @@ def test_a_whole_number_written_as_2_0_is_the_integer_json_schema_says_it_is(
     ({"name": "t\u202ekcehc"}, "name", "U+202E"),  # a bidi override: reads backwards
     ({"name": "t\u200b"}, "name", "U+200B"),  # zero-width: two names that look one
     ({"name": "t", "description": "ok\n\x1b]0;title\x07"}, "description", "U+001B"),
-], ids=["name-escape", "name-bidi", "name-zero-width", "description-escape"])
+    ({"name": "t", "description": "ok\u2028then"}, "description", "U+2028"),  # a line break
+], ids=["name-escape", "name-bidi", "name-zero-width", "description-escape",
+        "description-line-separator"])
 def test_a_policy_name_or_description_that_would_not_print_as_written_is_refused(
         data: dict[str, object], field: str, char: str) -> None:
     """``policy check``, ``policy show`` and the dashboard print the name and the description;
@@ -507,6 +509,9 @@ def test_a_policy_name_or_description_that_would_not_print_as_written_is_refused
     assert frozen.name == data["name"] and policy_hash(frozen)
 
 
-def test_a_description_keeps_its_line_breaks_and_tabs() -> None:
-    text = "Rules of our gateway.\n\tSee the runbook.\n"
-    assert Policy(name="t", description=text).description == text
+def test_a_description_keeps_its_line_breaks_tabs_and_every_space() -> None:
+    # Spaces of French, Japanese or Chinese text (U+00A0, U+202F, U+3000) print as spaces;
+    # str.isprintable() refused them.
+    text = ("Rules of our gateway.\n\tSee the runbook.\n"
+            "Prix\u00a0: 5\u202f\u20ac \u65b9\u3000\u91dd\n")
+    assert Policy(name="my\u00a0policy", description=text).description == text
