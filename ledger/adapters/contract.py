@@ -14,7 +14,7 @@ from decimal import Decimal
 from typing import Any, ClassVar, TypeAlias
 
 from ledger.adapters.sse import SSEEvent
-from ledger.domain.carried import files_alone, json_object, sent_order
+from ledger.domain.carried import files_alone, json_object, reasoning_item, sent_order
 from ledger.domain.envelope import MODEL_DERIVED, Envelope, Part, tool_link_problem
 from ledger.domain.facts import Observation, WireProtocol
 from ledger.domain.media import (
@@ -601,20 +601,6 @@ def reasoning_data(route: Route, item: Mapping[str, Any]) -> bytes:
     """
     return canonical_json({"route": route.id, "protocol": route.protocol.value,
                            "item": dict(item)}).encode("utf-8")
-
-
-def reasoning_item(part: Part) -> tuple[str, str, dict[str, Any]] | None:
-    """``(route id, protocol, item)`` of a reasoning part, or ``None`` for any other part."""
-    if part.kind is not MediaKind.REASONING or part.payload is None:
-        return None
-    try:
-        doc = json.loads(part.payload)
-    except (ValueError, RecursionError):
-        return None
-    if (not isinstance(doc, dict) or not isinstance(doc.get("route"), str)
-            or not isinstance(doc.get("protocol"), str) or not isinstance(doc.get("item"), dict)):
-        return None
-    return doc["route"], doc["protocol"], doc["item"]
 
 
 def dropped_reasoning(route: Route, part: Part, index: int) -> str:

@@ -96,7 +96,6 @@ from ledger.adapters.contract import (
     parse_json_event,
     proposed_call,
     provider_message,
-    reasoning_item,
     register_codec,
     reported_usage,
     require_object,
@@ -109,6 +108,7 @@ from ledger.adapters.sse import SSEEvent
 from ledger.domain.carried import (
     files_alone,
     message_refusal,
+    reasoning_item,
     require_answered,
     require_tool_result,
     tool_arguments,

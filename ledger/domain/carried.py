@@ -867,12 +867,11 @@ def _wire_items(parts: Sequence[Part], order: Sequence[tuple[int, int | None]]) 
             for k, call in order]
 
 
-def _gemini_signature(part: Part) -> tuple[str, str] | None:
-    """``(route id, the answer's part it names)`` of a Gemini thought-signature part, else None.
+def reasoning_item(part: Part) -> tuple[str, str, dict[str, Any]] | None:
+    """``(route id, protocol, item)`` of a reasoning part, or ``None`` for any other part.
 
-    What the Gemini codec puts back on a part of its route's turn: a reasoning item of protocol
-    ``gemini`` whose item has a ``thoughtSignature`` and names a ``functionCall``, ``text`` or
-    ``media`` part (:func:`ledger.adapters.contract.reasoning_data` writes the JSON).
+    What :func:`ledger.adapters.contract.reasoning_data` wrote: the codecs read it to carry an
+    item back to its route, and the rules here to see what a route's codec sends.
     """
     if part.kind is not MediaKind.REASONING or part.payload is None:
         return None
@@ -880,13 +879,27 @@ def _gemini_signature(part: Part) -> tuple[str, str] | None:
         doc = json.loads(part.payload)
     except (ValueError, RecursionError):
         return None
-    item = doc.get("item") if isinstance(doc, dict) else None
-    if (not isinstance(item, dict) or doc.get("protocol") != _P.GEMINI.value
-            or not isinstance(doc.get("route"), str)
-            or not isinstance(item.get("thoughtSignature"), str)
+    if (not isinstance(doc, dict) or not isinstance(doc.get("route"), str)
+            or not isinstance(doc.get("protocol"), str) or not isinstance(doc.get("item"), dict)):
+        return None
+    return doc["route"], doc["protocol"], doc["item"]
+
+
+def _gemini_signature(part: Part) -> tuple[str, str] | None:
+    """``(route id, the answer's part it names)`` of a Gemini thought-signature part, else None.
+
+    What the Gemini codec puts back on a part of its route's turn: a reasoning item of protocol
+    ``gemini`` whose item has a ``thoughtSignature`` and names a ``functionCall``, ``text`` or
+    ``media`` part.
+    """
+    found = reasoning_item(part)
+    if found is None:
+        return None
+    route, protocol, item = found
+    if (protocol != _P.GEMINI.value or not isinstance(item.get("thoughtSignature"), str)
             or item.get("part") not in ("functionCall", "text", "media")):
         return None
-    return doc["route"], item["part"]
+    return route, item["part"]
 
 
 def _signed_empty_texts(parts: Sequence[Part],
@@ -1193,6 +1206,7 @@ __all__ = [
     "lacking_results",
     "message_refusal",
     "params_refusal",
+    "reasoning_item",
     "refusals_for",
     "require_answered",
     "require_encodable",
