@@ -240,6 +240,10 @@ class DatabaseUnavailable(StorageError):
     ``fields["partition"]`` names a month's partition of the history (``attempts_p202601``)
     that a statement named and found dropped (by a retention run) since it listed it: run it
     again, it plans from what is left.
+    ``fields["schema_changed"]`` is ``True`` when a migration changed the type of a column a
+    statement returns after the connection had prepared it (PostgreSQL: ``cached plan must
+    not change result type``): the transaction was rolled back, and a retry goes through (the
+    hot path runs a transaction's first step, and a write, again by itself).
     """
 
 

@@ -49,7 +49,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from ledger.errors import DatabaseUnavailable, LedgerError
-from ledger.storage.failure import closed_error, driver_error, standby_error
+from ledger.storage.failure import closed_error, driver_error, stale_plan, standby_error
 from ledger.storage.groupcommit import GroupWriter
 
 if TYPE_CHECKING:
@@ -427,6 +427,15 @@ class PgDriver:
         self.where = pool.where
 
     def run(self, tx: Tx[T], *, write: bool) -> T:
+        start = _Start()
+        try:
+            return self._run(tx, write, start)
+        except DatabaseUnavailable as e:
+            if not start.again(e, self.where):
+                raise
+        return self._run(tx, write, start)
+
+    def _run(self, tx: Tx[T], write: bool, start: _Start) -> T:
         import psycopg
 
         from ledger.storage.pgpool import release
@@ -438,7 +447,7 @@ class PgDriver:
         dropped = False
         committing = _Committing(write)
         try:
-            return self._feed(conn, tx, committing)
+            return self._feed(conn, tx, committing, start)
         except BaseException as e:
             failed = _Failed(e, conn, committing)  # before the abort ends what it reads
             _abort(conn)
@@ -454,13 +463,13 @@ class PgDriver:
             else:
                 release(conn)
 
-    def _feed(self, conn: Any, tx: Tx[T], committing: _Committing) -> T:
+    def _feed(self, conn: Any, tx: Tx[T], committing: _Committing, start: _Start) -> T:
         value: Any = None
         first = True
         committed = False
         while True:
             try:
-                step = tx.send(value)
+                step = start.step_of(tx, value, first)
             except StopIteration as stop:
                 if not first and not committed:
                     committing.sent = True
@@ -493,10 +502,20 @@ class PgDriver:
             committed = committed or commit
             rows = [cur.fetchall() if fetch else [] for cur, fetch in cursors]
             value = rows[0] if isinstance(step, Q) else rows
+            start.fed = True
 
     # -- asyncio
 
     async def arun(self, tx: Tx[T], *, write: bool) -> T:
+        start = _Start()
+        try:
+            return await self._arun(tx, write, start)
+        except DatabaseUnavailable as e:
+            if not start.again(e, self.where):
+                raise
+        return await self._arun(tx, write, start)
+
+    async def _arun(self, tx: Tx[T], write: bool, start: _Start) -> T:
         import psycopg
 
         from ledger.storage.pgpool import arelease
@@ -508,7 +527,7 @@ class PgDriver:
         dropped = False
         committing = _Committing(write)
         try:
-            return await self._afeed(conn, tx, committing)
+            return await self._afeed(conn, tx, committing, start)
         except BaseException as e:
             failed = _Failed(e, conn, committing)
             await _aabort(conn)
@@ -524,13 +543,14 @@ class PgDriver:
             else:
                 await arelease(conn)
 
-    async def _afeed(self, conn: Any, tx: Tx[T], committing: _Committing) -> T:
+    async def _afeed(self, conn: Any, tx: Tx[T], committing: _Committing, start: _Start
+                     ) -> T:
         value: Any = None
         first = True
         committed = False
         while True:
             try:
-                step = tx.send(value)
+                step = start.step_of(tx, value, first)
             except StopIteration as stop:
                 if not first and not committed:
                     committing.sent = True
@@ -563,6 +583,7 @@ class PgDriver:
             committed = committed or commit
             rows = [await cur.fetchall() if fetch else [] for cur, fetch in cursors]
             value = rows[0] if isinstance(step, Q) else rows
+            start.fed = True
 
     def close(self) -> None:
         self.pool.close()
@@ -593,6 +614,50 @@ def _cursor(conn: Any, kept: dict[Any, Any], key: Any, busy: list[tuple[Any, boo
     elif any(c is cur for c, _fetch in busy):
         return conn.cursor()
     return cur
+
+
+class _Start:
+    """A transaction's first step, kept until the transaction function has been sent rows.
+
+    Until then the function has seen nothing of the database: it waits at its first ``yield``
+    for that step's rows, as it did when the step was first sent. So a first step the server
+    refused for a statement prepared before a migration changed what it returns
+    (``schema_changed``: the transaction was rolled back, and the connection is dropped) is
+    sent once more, ``BEGIN`` and all, on a fresh connection, and the function goes on from
+    there as if nothing had happened: the snapshot of a turn, and every transaction whose
+    reads come first (a begin's, a settle's), never tell it. Past the first step the function
+    has decided on rows of the transaction that was rolled back, and only a new one could
+    start over: the error is told (retry-safe), and :func:`ledger.storage.store.resolving`
+    runs a write again from its start.
+    """
+
+    __slots__ = ("fed", "replayed", "step")
+
+    def __init__(self) -> None:
+        self.step: Step | None = None
+        self.fed = False
+        self.replayed = False
+
+    def step_of(self, tx: Tx[Any], value: Any, first: bool) -> Step:
+        """The step to send next: ``tx``'s, sent ``value``, or its first one again."""
+        if first and self.step is not None:
+            return self.step
+        step = tx.send(value)
+        if first:
+            self.step = step
+        return step
+
+    def again(self, err: DatabaseUnavailable, where: str) -> bool:
+        """Whether the transaction is to run once more (on a fresh connection) after ``err``:
+        its first step was refused for a stale prepared statement, and it was not run again
+        already (the error of a second try is told)."""
+        if self.replayed or self.fed or self.step is None \
+                or not err.fields.get("schema_changed"):
+            return False
+        self.replayed = True
+        log.warning("a migration changed the schema under a statement prepared on a "
+                    "connection to %s; the transaction runs again on a fresh connection", where)
+        return True
 
 
 class _Committing:
@@ -662,7 +727,7 @@ class _Failed:
     it says is read before the abort ends what it reads, where the connection goes after it.
     """
 
-    __slots__ = ("answered", "committing", "error", "read_only", "standby")
+    __slots__ = ("answered", "committing", "error", "read_only", "stale", "standby")
 
     def __init__(self, e: BaseException, conn: Any, committing: _Committing) -> None:
         import psycopg
@@ -670,6 +735,9 @@ class _Failed:
         self.error = e
         self.committing = committing
         self.standby = isinstance(e, psycopg.Error) and _standby_refusal(e, conn)
+        # A statement prepared before a migration changed its result: the pool's other
+        # connections prepared it too, and each would fail one transaction on it.
+        self.stale = isinstance(e, psycopg.Error) and stale_plan(e)
         # A read-only transaction the server did not say it is a standby for: asked once the
         # abort has ended the transaction (ask, aask), whether it is a primary refusing this
         # role's writes (a set-up problem) or a failover's (retry-safe, as a standby's).
@@ -698,8 +766,10 @@ class _Failed:
         next checkout connects by itself): it ended closed, whether the server or the network
         closed it or the abort had to (``cannot exit pipeline mode while busy``, a connection
         still busy with a pipeline: the same server restart or termination may have ended its
-        idle neighbours too), or its server is a standby."""
-        return bool(self.standby or conn.closed)
+        idle neighbours too), its server is a standby, or it holds a statement prepared before
+        a migration changed what it returns (so do its neighbours: a drained pool replaces
+        them, and those in use when they come back)."""
+        return bool(self.standby or self.stale or conn.closed)
 
     def told(self, conn: Any, where: str) -> BaseException:
         """What the caller is told (after the abort): a standby's refusal, the ledger error a

@@ -41,6 +41,13 @@ SQLAlchemy transactions, the migrations, the floor benchmark — hands what it c
   thing: a statement that names one (retention's) found it dropped after it listed it (by
   another retention run, or by hand), and a run again plans from what is left:
   :class:`~ledger.errors.DatabaseUnavailable` (``partition`` its name) saying so;
+* a statement prepared on the server before a migration changed the type of a column it
+  returns (PostgreSQL's ``cached plan must not change result type``, SQLSTATE 0A000: a
+  connection prepares the statements it repeats, and the server refuses such a one on it until
+  it is prepared again): :class:`~ledger.errors.DatabaseUnavailable` (``schema_changed=True``),
+  retry-safe, for the transaction was rolled back, and psycopg lets go of what the connection
+  prepared when it rolls back; the hot path's driver drops the connection and the pool's others
+  as well, and sends a transaction's first step again itself (:mod:`ledger.storage.driver`);
 * a row whose key is already recorded (a unique or primary key): :class:`~ledger.errors.Conflict`;
 * anything else the database said: :class:`~ledger.errors.StorageError`.
 
@@ -117,6 +124,10 @@ _PG_PARTITION_GONE = re.compile(
     r'relation "(?:[^"]*\.)?(?P<name>(?:attempts|events)_p\d{6})" does not exist')
 _SQLITE_SCHEMA_MISSING = re.compile(r"(?:no such (?:table|column)|table \S+ has no column "
                                     r"named)\b")
+# The server's refusal of a statement prepared before a migration changed what it returns. Its
+# SQLSTATE (feature_not_supported) says nothing on its own; the server's text does, and a
+# server speaking another language (lc_messages) is told a plain StorageError, as before.
+_PG_STALE_PLAN = ("0A000", "cached plan must not change result type")
 # SQLSTATEs of the same answers when a statement carries one: invalid authorization (class
 # 28) and invalid catalog name (the database does not exist).
 _PG_SETUP_STATES = {"3D000": "database_missing", "28P01": "auth_failed"}
@@ -180,6 +191,23 @@ def _partition_gone(name: str, text: str, where: str) -> DatabaseUnavailable:
         f"{name} was dropped (by a retention run, or by hand) after the statement named it; "
         "the transaction was rolled back and nothing of it was recorded; run it again: it "
         "reads (or drops) what is left", url=where, partition=name)
+
+
+def stale_plan(e: BaseException) -> bool:
+    """Whether ``e`` (a psycopg error) is the server's refusal of a statement prepared before
+    a migration changed the type of a column it returns (:data:`_PG_STALE_PLAN`)."""
+    state, said = _PG_STALE_PLAN
+    return getattr(e, "sqlstate", None) == state and said in str(e)
+
+
+def _schema_changed(text: str, where: str) -> DatabaseUnavailable:
+    return DatabaseUnavailable(
+        f"database {where}: the schema changed under a statement this connection had prepared "
+        f"({text}): a migration changed a column's type since (`failover-ledger db init`, or a "
+        "ledger of a newer version opening the database); the transaction was rolled back and "
+        "nothing of it was recorded, and what the connection had prepared was let go with it "
+        "(the hot path drops the connection): a retry prepares the statement anew and goes "
+        "through", url=where, schema_changed=True)
 
 
 def _refused(text: str, where: str, *, privilege: bool = False) -> DatabaseReadOnly:
@@ -399,6 +427,8 @@ def _psycopg(e: BaseException, where: str, psycopg: Any) -> LedgerError:
         return setup_error("schema_outdated", where, text=text)
     if state in _PG_CONTENTION:
         return _contention(state, text, where)
+    if stale_plan(e):
+        return _schema_changed(text, where)
     # OperationalError covers a refused or lost connection, a server shutting down, a killed
     # session; InterfaceError a connection already closed.
     if isinstance(e, psycopg.OperationalError | psycopg.InterfaceError):
@@ -485,4 +515,4 @@ def closed_error(where: str) -> InvalidState:
 
 
 __all__ = ["closed_error", "driver_error", "ledger_error", "mapped", "setup_error",
-           "standby_error"]
+           "stale_plan", "standby_error"]

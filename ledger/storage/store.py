@@ -123,6 +123,11 @@ def resolving(operation: str, write: Callable[[bool], Tx[T]], *, again: bool = T
               **about: Any) -> Flow[T]:
     """Perform the write ``write(False)``; when its ``COMMIT``'s outcome is unknown, resolve it.
 
+    A write the server refused past its first step for a statement prepared before a migration
+    changed what it returns (``schema_changed``: rolled back, its connection dropped; the
+    driver itself sends a first step again) is made once more, from its start, on a fresh
+    connection (:func:`_remade`).
+
     ``write(True)`` is the same write again, run on a new connection: it locks the Run's row
     before reading, so it waits for the old transaction to end on the server and then finds it
     done, or does it (the caller makes it idempotent). ``again=False``: told, not resolved
@@ -132,7 +137,7 @@ def resolving(operation: str, write: Callable[[bool], Tx[T]], *, again: bool = T
     with ``operation``, ``resolved`` and ``landed`` (and ``about``) in its fields.
     """
     try:
-        return (yield from txn(write(False)))
+        return (yield from _remade(write))
     except DatabaseUnavailable as e:
         e.fields.update(operation=operation, **about)
         if not commit_unknown(e):
@@ -153,6 +158,22 @@ def resolving(operation: str, write: Callable[[bool], Tx[T]], *, again: bool = T
         raise first from first.__cause__  # the original error, with its own cause
     log.warning("%s: resolved: the write is recorded", operation)
     return out
+
+
+def _remade(write: Callable[[bool], Tx[T]]) -> Flow[T]:
+    """``write(False)``, made once more from its start when the server refused a statement of
+    it prepared before a migration changed what the statement returns: the transaction was
+    rolled back (the server answered a statement of it; a ``COMMIT`` whose outcome is unknown
+    is not this) and the driver dropped the connections holding the statement, so the write
+    runs again on a fresh one. Its error, if it fails again, is told."""
+    try:
+        return (yield from txn(write(False)))
+    except DatabaseUnavailable as e:
+        if not e.fields.get("schema_changed") or commit_unknown(e):
+            raise
+    log.warning("a migration changed the schema under a statement of a write; it is made "
+                "again on a fresh connection")
+    return (yield from txn(write(False)))
 
 
 class Pending:
