@@ -21,9 +21,9 @@ from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import Connection, Engine, text
 
-from ledger.errors import DatabaseSetupError, SchemaTooNew, StorageError
+from ledger.errors import DatabaseSetupError, DatabaseUnavailable, SchemaTooNew, StorageError
 from ledger.storage.engine import mapped_errors, redact_url
-from ledger.storage.failure import setup_error
+from ledger.storage.failure import init_command, setup_error
 
 if TYPE_CHECKING:
     from alembic.config import Config
@@ -32,6 +32,15 @@ if TYPE_CHECKING:
 
 # Any constant works; it only has to be the same for every ledger process.
 _PG_MIGRATION_LOCK = 0x1ED6E5
+#: How long a statement of a migration waits for a lock on a ledger table (PostgreSQL's
+#: ``lock_timeout``, for the migrating transaction only). An ``ALTER TABLE`` queued behind a
+#: session that holds the table (a transaction left open: ``idle in transaction``) holds every
+#: other session's statements on that table behind it, the workers' reads included, for as
+#: long as that session lasts. The workers' own transactions take milliseconds, so a wait of
+#: 10 s is not theirs; and 10 s is a third of the pool's checkout timeout
+#: (:data:`~ledger.storage.pgpool.CHECKOUT_TIMEOUT_S`), so the workers held up meanwhile
+#: carry on once it gives up. It bounds each lock wait, not the migration's work.
+MIGRATION_LOCK_TIMEOUT = "10s"
 _REVISION = re.compile(r"""^revision\s*=\s*['"]([^'"]+)['"]""", re.M)
 _DOWN = re.compile(r"""^down_revision\s*=\s*(?:['"]([^'"]+)['"]|None)""", re.M)
 
@@ -156,6 +165,11 @@ def upgrade(ctx: SqlContext, url: str) -> str | None:
     A role that may read and write the ledger's rows but not create or alter its tables opens
     a database already at head (it only reads the revision); anywhere else the refusal is a
     :class:`~ledger.errors.DatabaseSetupError` (``problem="schema_privilege"``) naming the fix.
+
+    A statement of the migration that waits longer than :data:`MIGRATION_LOCK_TIMEOUT` for a
+    lock on a ledger table (PostgreSQL) gives up, the migration rolled back whole: a
+    :class:`~ledger.errors.DatabaseUnavailable` (``contention="55P03"``) naming the session in
+    the way and the fix.
     """
     head = head_revision()
     ctx.refuse_foreign()  # before the first connection, which may write (SQLite's WAL switch)
@@ -169,6 +183,8 @@ def upgrade(ctx: SqlContext, url: str) -> str | None:
 
     try:
         with mapped_errors(url), ctx.migration_lock() as conn:
+            # For the transaction that migrates (SET LOCAL), not for the pooled connection.
+            ctx.bounded_locks(conn, MIGRATION_LOCK_TIMEOUT)
             # Again, under the lock: another may have migrated.
             found = current_revision(ctx, conn)
             check_not_newer(found, url)
@@ -179,6 +195,10 @@ def upgrade(ctx: SqlContext, url: str) -> str | None:
             cfg.attributes["connection"] = conn
             command.upgrade(cfg, "head")  # inside the locked transaction: all of it or nothing
             conn.commit()
+    except DatabaseUnavailable as e:
+        if e.fields.get("contention") != "55P03":
+            raise
+        raise _blocked(redact_url(url), found, head, e) from e
     except StorageError as e:
         if not e.fields.get("read_only"):
             raise
@@ -188,6 +208,25 @@ def upgrade(ctx: SqlContext, url: str) -> str | None:
             f"schema at revision {found or 'none'}, this ledger needs {head}; the server "
             f"said: {said}")) from e
     return found
+
+
+def _blocked(where: str, found: str | None, head: str, e: DatabaseUnavailable
+             ) -> DatabaseUnavailable:
+    """The error of a migration that gave up waiting for a lock another session held."""
+    cause = e.__cause__
+    said = str(getattr(cause, "orig", None) or cause or e).strip().splitlines()[0]
+    return DatabaseUnavailable(
+        f"database {where} was not migrated to schema revision {head}: a statement of the "
+        f"migration waited {MIGRATION_LOCK_TIMEOUT} for a lock on a ledger table that another "
+        f"session holds ({said}), and gave up rather than hold every worker's statements on "
+        "that table behind it; nothing changed (the migration rolled back whole, the schema "
+        f"is at revision {found or 'none'} still). The session is a transaction left open (a "
+        "process paused or stuck in the middle of one, `idle in transaction`; or a migrating "
+        "process killed while its statement waited) or a long query: find it with SELECT pid, "
+        "state, xact_start, query FROM pg_stat_activity WHERE datname = current_database() "
+        "AND state <> 'idle' ORDER BY xact_start; end it (resume or stop its process, or "
+        f"SELECT pg_terminate_backend(pid)), then run {init_command(where)} again",
+        url=where, contention="55P03", revision=found, head=head)
 
 
 @contextmanager

@@ -10,12 +10,17 @@ the statement and sends the transaction's first step again on a fresh one, a wri
 past its first step is made again from its start, and any other transaction (a cold-path
 read) is told :class:`~ledger.errors.DatabaseUnavailable` (``schema_changed``), which a
 retry gets past.
+
+Migrations also wait a bounded time for a table's lock: an ``ALTER TABLE`` queued behind a
+transaction left open holds every worker's statements on that table behind it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import threading
+import time
 from collections.abc import Iterator
 from decimal import Decimal
 from typing import Any
@@ -29,10 +34,14 @@ from ledger.api.turn import SendResult, aexecute, execute
 from ledger.clock import ManualClock
 from ledger.domain.envelope import Envelope, Part
 from ledger.errors import DatabaseUnavailable
+from ledger.storage import migrate
 from ledger.storage.driver import Flush, Q
 from ledger.storage.pgpool import release
 from ledger.storage.statements import Stmt
 from ledger.storage.store import resolving
+from ledger.testing.pgserver import PgServer
+
+from .helpers import downgrade_schema
 
 pytestmark = pytest.mark.postgres
 
@@ -49,6 +58,7 @@ AGAIN = "a migration changed the schema under"
 # A statement that returns health.key, as the snapshot's health read does.
 HEALTH_KEYS = Stmt("health_keys", "SELECT key FROM health WHERE key = %s", ("key",), ("key",),
                    None)
+PATIENCE_S = 15  # how long the transaction left open lasts at most: a miss fails, it never hangs
 ANY_RUN = Stmt("any_run", "SELECT count(*) FROM runs", (), ("count",), None)
 
 
@@ -175,3 +185,40 @@ def test_a_cold_path_read_after_a_migration_is_retry_safe_and_the_next_one_goes_
             assert e.fields["schema_changed"] is True
             assert "the schema changed under a statement" in str(e)
         assert led.health() == {}
+
+
+def test_a_migration_behind_a_transaction_left_open_gives_up_in_time_and_changes_nothing(
+        pg_server: PgServer, pg_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(migrate, "MIGRATION_LOCK_TIMEOUT", "500ms")  # the test's patience
+    downgrade_schema(pg_url, "0020", "health")
+    holder = psycopg.connect(pg_url.replace("postgresql+psycopg", "postgresql"))
+    # The bound of a miss: the session lets go by itself, and the migration would go through.
+    timer = threading.Timer(PATIENCE_S, holder.rollback)
+    try:
+        holder.execute("SELECT count(*) FROM health")  # its transaction stays open
+        timer.start()
+        started = time.monotonic()
+        with pytest.raises(DatabaseUnavailable) as ei:
+            Ledger.open(pg_url)  # migrates: 0021 alters health
+        waited = time.monotonic() - started
+        assert 0.5 <= waited < PATIENCE_S, waited
+        err = ei.value
+        assert err.fields["contention"] == "55P03"
+        assert err.fields["revision"] == "0020"
+        assert "pg_stat_activity" in str(err) and "pg_terminate_backend" in str(err)
+        assert "failover-ledger db init" in str(err) and "nothing changed" in str(err)
+        with psycopg.connect(pg_url.replace("postgresql+psycopg", "postgresql")) as look:
+            assert look.execute("SELECT version_num FROM alembic_version").fetchone() == (
+                "0020",)
+            assert look.execute(
+                "SELECT character_maximum_length FROM information_schema.columns "
+                "WHERE table_name = 'health' AND column_name = 'key'").fetchone() == (200,)
+    finally:
+        timer.cancel()
+        timer.join()
+        holder.rollback()
+        holder.close()
+    Ledger.open(pg_url).close()  # once the session is gone, it migrates
+    with psycopg.connect(pg_url.replace("postgresql+psycopg", "postgresql")) as look:
+        assert look.execute("SELECT version_num FROM alembic_version").fetchone() == (
+            migrate.head_revision(),)
