@@ -43,8 +43,11 @@ def _timeout_of(item: pytest.Item) -> float:
         marker = item.get_closest_marker("timeout")
         if marker is not None and marker.args:
             return float(marker.args[0])
-        return float(item.config.getoption("timeout", None) or item.config.getini("timeout")
-                     or 0)
+        try:
+            return float(item.config.getoption("timeout", None)
+                         or item.config.getini("timeout") or 0)
+        except ValueError:  # pytest-timeout not loaded (-p no:timeout): no timeout to follow
+            return 0.0
 
 
 def _debugging() -> bool:

@@ -163,13 +163,22 @@ def rejected_record(begin: Begin, e: CapacityUnavailable, now: float) -> Attempt
         executor=begin.spec.executor, created_at=now, settled_at=now)
 
 
+#: How much of a provider's text :func:`provider_text` redacts: its 200 characters kept and a
+#: margin longer than any credential the redaction knows, so one that straddles the cut is
+#: still matched whole.
+_REDACTED_HEAD = 2200
+
+
 def provider_text(text: str | None) -> str | None:
     """A provider's text as stored and told: redacted, printable, at most 200 characters."""
     # Printable: both backends store it alike. Redacted before it is cut: a secret straddling
-    # the cut would leave its head unmatched.
+    # the cut would leave its head unmatched. Redacted over a head with room for any key past
+    # the cut, not the whole text: a provider's text may be megabytes (a 16 MiB tool-call id
+    # took seconds to redact, on the event loop of an async turn).
     if text is None:
         return None
-    return "".join(c if c.isprintable() else "?" for c in redact(text)[:200])
+    return "".join(c if c.isprintable() else "?" for c in redact(text[:_REDACTED_HEAD])[:200])
+
 
 
 def cause_of(fact: FailureFact) -> dict[str, Any]:

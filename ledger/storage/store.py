@@ -165,7 +165,12 @@ def _remade(write: Callable[[bool], Tx[T]]) -> Flow[T]:
     it prepared before a migration changed what the statement returns: the transaction was
     rolled back (the server answered a statement of it; a ``COMMIT`` whose outcome is unknown
     is not this) and the driver dropped the connections holding the statement, so the write
-    runs again on a fresh one. Its error, if it fails again, is told."""
+    runs again on a fresh one. Its error, if it fails again, is told.
+
+    Sound only for a write whose one ``COMMIT`` is its last step, as every write given to
+    :func:`resolving` is: a transaction that committed a step before the refused one would have
+    that step made twice.
+    """
     try:
         return (yield from txn(write(False)))
     except DatabaseUnavailable as e:

@@ -295,3 +295,17 @@ def test_the_clean_text_memo_keeps_only_short_texts() -> None:
     assert redact(long_text) == long_text and redact(short_text) == short_text
     assert long_text not in redaction._CLEAN
     assert short_text in redaction._CLEAN
+
+
+def test_a_providers_text_keeps_a_secret_straddling_its_cut_redacted_however_long() -> None:
+    # provider_text redacts a head with room past the 200 characters it keeps (it redacted
+    # the whole text: a 16 MiB tool-call id took seconds); a key that begins before the cut
+    # is still matched whole, and nothing of it is kept.
+    from ledger.decide.stops import provider_text
+
+    token = "sk-proj-" + "Ab3dE5gH7jK9mN1pQ3sT5vW7yZ9" * 3
+    text = "x" * 189 + " " + token + " " + "y" * 4_000_000
+    kept = provider_text(text)
+    assert kept is not None and len(kept) <= 200
+    assert "sk-proj" not in kept and token[8:20] not in kept
+    assert kept.startswith("x" * 189) and REDACTED in kept
