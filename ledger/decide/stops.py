@@ -180,7 +180,6 @@ def provider_text(text: str | None) -> str | None:
     return "".join(c if c.isprintable() else "?" for c in redact(text[:_REDACTED_HEAD])[:200])
 
 
-
 def cause_of(fact: FailureFact) -> dict[str, Any]:
     """A failure as a ``retry`` or ``move`` event names its cause."""
     return {"category": fact.category.value, "status": fact.status, "scope": fact.scope.value,

@@ -466,19 +466,7 @@ def test_a_turn_queued_when_its_ledger_closes_settles_no_attempt_it_never_began(
         lease, held = _hold(other, route)
         led = Ledger.open(db_url)
         if face == "sync":
-
-            def wait_in() -> None:
-                try:
-                    with led.run("w", plan=[route], budget=BUDGET, grant=GRANT) as run:
-                        run.turn(ENV, on_notice=lambda n: queued.append(n.attempt_id))
-                except BaseException as e:  # read below
-                    errors.append(e)
-
-            waiter = threading.Thread(target=wait_in)
-            waiter.start()
-            _until(lambda: bool(queued))
-            led.close()
-            waiter.join(PATIENCE_S)
+            _close_while_queued(led, route, queued, errors)
         else:
 
             async def main() -> None:
@@ -555,18 +543,7 @@ def test_a_turn_the_close_wakes_leaves_a_session_the_close_took_and_writes_nothi
 
         monkeypatch.setattr(led._entries, "ended", once_left)
 
-        def wait_in() -> None:
-            try:
-                with led.run("w", plan=[route], budget=BUDGET, grant=GRANT) as run:
-                    run.turn(ENV, on_notice=lambda n: queued.append(n.attempt_id))
-            except BaseException as e:  # read below
-                errors.append(e)
-
-        waiter = threading.Thread(target=wait_in)
-        waiter.start()
-        _until(lambda: bool(queued))
-        led.close()
-        waiter.join(PATIENCE_S)
+        _close_while_queued(led, route, queued, errors)
         [err] = errors
         assert isinstance(err, InvalidState) and err.fields["problem"] == "ledger_closed"
         assert not [r.getMessage() for r in caplog.records
@@ -642,6 +619,25 @@ def test_a_begin_an_interruption_cut_short_is_not_waited_for_at_the_close(
     with caplog.at_level(logging.WARNING, logger="ledger"):
         led.close()
     assert not [r for r in caplog.records if "still under way" in r.getMessage()]
+
+
+def _close_while_queued(led: Ledger, route: Route, queued: list[str],
+                        errors: list[BaseException]) -> None:
+    """Close ``led`` while a Run session's turn on ``route`` (a thread) waits in its group's
+    queue; the turn's queued Attempt ids go to ``queued``, what its block raised to
+    ``errors``."""
+    def wait_in() -> None:
+        try:
+            with led.run("w", plan=[route], budget=BUDGET, grant=GRANT) as run:
+                run.turn(ENV, on_notice=lambda n: queued.append(n.attempt_id))
+        except BaseException as e:  # read by the caller
+            errors.append(e)
+
+    waiter = threading.Thread(target=wait_in)
+    waiter.start()
+    _until(lambda: bool(queued))
+    led.close()
+    waiter.join(PATIENCE_S)
 
 
 def _until(cond: Callable[[], bool]) -> None:

@@ -19,7 +19,7 @@ only the carrying decides.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from decimal import Decimal
 from typing import Any, ClassVar
 
@@ -215,12 +215,8 @@ def test_a_route_whose_provider_reads_no_result_where_it_stands_is_skipped_for_o
     assert [r.model for r in fake.requests] == ["backup-model"]
     assert fake.requests[0].problem is None
     fake.clear()
-    with Ledger.open(db_url) as led, led.run("only", plan=plan(fake, refuser), budget=BUDGET,
-                                              grant=GRANT) as run:
-        with pytest.raises(InvalidArgument) as ei:
-            run.turn(Envelope(parts=[_covered(led, run, p) for p in parts]))
-        assert ei.value.field == "envelope.parts[1]" and "sent after" in str(ei.value)
-        _recorded_nothing(led, fake, "only")
+    err = _refused_alone(db_url, fake, plan(fake, refuser), parts)
+    assert err.field == "envelope.parts[1]" and "sent after" in str(err)
 
 
 def test_the_gemini_route_whose_signed_empty_text_splits_a_call_from_its_result_is_skipped(
@@ -249,12 +245,20 @@ def test_the_gemini_route_whose_signed_empty_text_splits_a_call_from_its_result_
     assert [r.model for r in fake.requests] == ["backup-model"]
     assert fake.requests[0].problem is None
     fake.clear()
-    with Ledger.open(db_url) as led, led.run("only", plan=[primary], budget=BUDGET,
+    err = _refused_alone(db_url, fake, [primary], parts)
+    assert err.field == "envelope.parts[1]" and "on route 'primary'" in str(err)
+
+
+def _refused_alone(db_url: str, fake: FakeProvider, routes: list[Route],
+                   parts: Sequence[Part]) -> InvalidArgument:
+    """The refusal of a turn of ``parts`` by Run ``only`` on ``routes`` (none can carry them),
+    which recorded nothing and sent nothing."""
+    with Ledger.open(db_url) as led, led.run("only", plan=routes, budget=BUDGET,
                                               grant=GRANT) as run:
         with pytest.raises(InvalidArgument) as ei:
             run.turn(Envelope(parts=[_covered(led, run, p) for p in parts]))
-        assert ei.value.field == "envelope.parts[1]" and "on route 'primary'" in str(ei.value)
         _recorded_nothing(led, fake, "only")
+    return ei.value
 
 
 def _served_past_primary(led: Ledger, result: Any) -> dict[str, Any]:
