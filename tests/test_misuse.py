@@ -304,6 +304,15 @@ CASES: list[Case] = [
     C("admit endpoint with a fragment", "plan[0].endpoint", "#fragment",
       lambda f: _admit(f, plan=[routes()[0].model_copy(update={
           "endpoint": "https://gw.example.com/v1#section"})])),
+    C("admit endpoint with NUL", "plan[0].endpoint", "percent-encode",
+      lambda f: _admit(f, plan=[routes()[0].model_copy(update={
+          "endpoint": "http://127.0.0.1:9/v1\x00"})])),
+    C("admit endpoint with a bidi override", "plan[0].endpoint", "U+202E",
+      lambda f: _admit(f, plan=[routes()[0].model_copy(update={
+          "endpoint": "http://127.0.0.1:9/\u202e1v"})])),
+    C("admit endpoint with a newline", "plan[0].endpoint", "control or format",
+      lambda f: _admit(f, plan=[routes()[0].model_copy(update={
+          "endpoint": "http://127.0.0.1:9/v1\nHost: x"})])),
     C("admit grant typo", "grant.recipient", "recipients",
       lambda f: _admit(f, grant={"recipient": {}})),
     C("admit deadline NaN", "deadline", "finite", lambda f: _admit(f, deadline=NAN)),

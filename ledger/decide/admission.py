@@ -152,6 +152,16 @@ def validate_plan(plan: Sequence[Route]) -> None:
             raise InvalidArgument(f"route id {r.id!r} appears twice in the plan; ids must be "
                                   "unique", field="plan")
         seen.add(r.id)
+        if r.endpoint and not r.endpoint.isprintable():
+            # A NUL, newline or bidi control never makes a request, and the frozen plan is
+            # shown to every auditor and on the dashboard, where a bidi control would make the
+            # endpoint read as another. Checked at admission, not by Route itself, so the
+            # plans of Runs admitted before this rule still load.
+            bad = next(c for c in r.endpoint if not c.isprintable())
+            raise InvalidArgument(
+                f"route {r.id!r} endpoint contains a control or format character "
+                f"(U+{ord(bad):04X}), which no URL carries; remove it or percent-encode it",
+                field=f"plan[{i}].endpoint")
         if r.endpoint and "#" in r.endpoint:
             # No request carries a fragment; joined to, it would cut off the protocol's path.
             raise InvalidArgument(
