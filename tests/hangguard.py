@@ -11,9 +11,11 @@ test, which fails the run, and goes on with a new worker.
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import os
 from collections.abc import Iterator
+from typing import NamedTuple
 
 import pytest
 
@@ -32,22 +34,31 @@ def pytest_configure(config: pytest.Config) -> None:
     _stderr["fd"] = os.dup(2)
 
 
-def _timeout_of(item: pytest.Item) -> float:
-    """The item's timeout as pytest-timeout decides it (its marker in any form,
-    ``PYTEST_TIMEOUT``, ``--timeout``, the ini value); 0: none."""
+class _Settings(NamedTuple):
+    timeout: float  # 0: none
+    func_only: bool  # the timeout covers the test function only, not its fixtures
+    ignore_debugger: bool  # pytest-timeout's disable_debugger_detection
+
+
+def _settings_of(item: pytest.Item) -> _Settings:
+    """The item's timeout settings as pytest-timeout decides them (its marker in any form,
+    ``PYTEST_TIMEOUT``, ``--timeout``, the ini values)."""
     try:
         import pytest_timeout
 
-        return float(pytest_timeout._get_item_settings(item).timeout or 0)
+        got = pytest_timeout._get_item_settings(item)
+        return _Settings(float(got.timeout or 0), bool(got.func_only),
+                         bool(got.disable_debugger_detection))
     except (ImportError, AttributeError):  # another pytest-timeout: its plain settings
         marker = item.get_closest_marker("timeout")
         if marker is not None and marker.args:
-            return float(marker.args[0])
+            return _Settings(float(marker.args[0]), bool(marker.kwargs.get("func_only")),
+                             bool(marker.kwargs.get("disable_debugger_detection")))
         try:
-            return float(item.config.getoption("timeout", None)
-                         or item.config.getini("timeout") or 0)
+            return _Settings(float(item.config.getoption("timeout", None)
+                                   or item.config.getini("timeout") or 0), False, False)
         except ValueError:  # pytest-timeout not loaded (-p no:timeout): no timeout to follow
-            return 0.0
+            return _Settings(0.0, False, False)
 
 
 def _debugging() -> bool:
@@ -60,14 +71,11 @@ def _debugging() -> bool:
         return False
 
 
-def pytest_enter_pdb() -> None:
-    # Someone is at a --pdb prompt: as pytest-timeout does, no longer time the test.
-    faulthandler.cancel_dump_traceback_later()
-
-
-@pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
-    limit = 0.0 if _debugging() else _timeout_of(item)
+@contextlib.contextmanager
+def _armed(settings: _Settings, here: bool) -> Iterator[None]:
+    """The guard armed, if ``here`` is where pytest-timeout times the test, at the timeout
+    plus the grace (not at all under a debugger, unless told to ignore one)."""
+    limit = settings.timeout if here and (settings.ignore_debugger or not _debugging()) else 0.0
     if limit > 0:
         faulthandler.dump_traceback_later(limit + GRACE_S, exit=True, file=_stderr["fd"])
     try:
@@ -75,3 +83,24 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
     finally:
         if limit > 0:
             faulthandler.cancel_dump_traceback_later()
+
+
+def pytest_enter_pdb() -> None:
+    # Someone is at a --pdb prompt: as pytest-timeout does, no longer time the test.
+    faulthandler.cancel_dump_traceback_later()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    # The whole test, fixtures included, as pytest-timeout times it by default.
+    settings = _settings_of(item)
+    with _armed(settings, here=not settings.func_only):
+        yield
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item: pytest.Item) -> Iterator[None]:
+    # The test function alone, under func_only: its fixtures may take longer than its timeout.
+    settings = _settings_of(item)
+    with _armed(settings, here=settings.func_only):
+        yield
