@@ -111,6 +111,28 @@ def spliced(parts: Sequence[Part], at: dict[int, list[Part]]) -> list[Part]:
     return [q for i, p in enumerate(parts) for q in at.get(i, [p])]
 
 
+def in_message(error: InvalidArgument, field: str, at: int, what: str) -> InvalidArgument:
+    """``error`` naming the message of the history it is about (``messages[3]``, ``input[3]``).
+
+    A history holds many messages of one kind (a tool result per call), and what the ledger
+    refuses in one (an id over 200 characters, a link a tool returned) says nothing of which.
+
+    Args:
+        error: The refusal, its ``field`` the history's or a part's (``tool_call_id``, ...).
+        field: The framework's name for its history (``messages``, ``input``): the new error's
+            field, and how its message names the message (``messages[3]``).
+        at: The message's index in that history: the new error's ``message_index``.
+        what: The message as the framework calls it (``a ToolMessage``), for the message.
+
+    Returns:
+        The refusal with ``message_index``, and ``part_field`` where a part's field was
+        refused (``None``: the message itself was).
+    """
+    inner = error.fields.get("part_field") or (None if error.field == field else error.field)
+    return InvalidArgument(f"{field}[{at}] ({what}): {error.message}", field=field,
+                           message_index=at, part_field=inner)
+
+
 def media_type_of(url: str | None, filename: str | None = None, *, what: str, fix: str,
                   field: str) -> str | None:
     """The media type of a file a framework gave by link, or as bytes with a file name only.
@@ -535,5 +557,5 @@ def attempts_detail(result: Any, run_id: str) -> dict[str, Any]:
             "cost": None if att.cost is None else str(att.cost)}
 
 
-__all__ = ["RunLink", "attempts_detail", "drive", "media_type_of", "spliced", "turn_ids_of",
-           "wait_out"]
+__all__ = ["RunLink", "attempts_detail", "drive", "in_message", "media_type_of", "spliced",
+           "turn_ids_of", "wait_out"]

@@ -64,6 +64,7 @@ from ledger.integrations._run import (
     RunLink,
     attempts_detail,
     drive,
+    in_message,
     media_type_of,
     spliced,
     wait_out,
@@ -177,18 +178,6 @@ def _text_and_files(message: BaseMessage, what: str, data_class: str | None
                 "documents go in a human message, or in a tool message when a tool returned "
                 "them)", field="messages")
     return "".join(out), files
-
-
-def _in_message(error: InvalidArgument, at: int, message: BaseMessage) -> InvalidArgument:
-    """``error`` naming the message of the history it is about (``messages[3]``).
-
-    A history holds many messages of one kind (a tool message per call), and what the ledger
-    refuses in one (an id over 200 characters, a link a tool returned) says nothing of which.
-    """
-    inner = error.fields.get("part_field") or (None if error.field == "messages"
-                                               else error.field)
-    return InvalidArgument(f"messages[{at}] (a {type(message).__name__}): {error.message}",
-                           field="messages", message_index=at, part_field=inner)
 
 
 def _media_part(block: dict[str, Any], role: str, data_class: str) -> Part:
@@ -560,7 +549,7 @@ class LedgerChatModel(BaseChatModel):
                         f"a {type(message).__name__} cannot be sent through a ledger Run (system, "
                         "human, AI and tool messages can)", field="messages")
             except InvalidArgument as e:
-                raise _in_message(e, at, message) from e
+                raise in_message(e, "messages", at, f"a {type(message).__name__}") from e
         results: dict[int, list[Part]] = {}
         for index, at, tool in returns:
             try:
@@ -572,7 +561,7 @@ class LedgerChatModel(BaseChatModel):
                     tool.tool_call_id, tool_name, text, calls, files, field="messages",
                     bytes_fix="an image or file block with base64 and mime_type")
             except InvalidArgument as e:
-                raise _in_message(e, at, tool) from e
+                raise in_message(e, "messages", at, f"a {type(tool).__name__}") from e
         try:
             return Envelope(parts=spliced(parts, results), tools=tools, stream=stream, **out)
         except InvalidArgument as e:

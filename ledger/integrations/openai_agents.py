@@ -52,13 +52,22 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ledger.api.session import AsyncRunSession
-from ledger.domain.envelope import MODEL_DERIVED, SYSTEM, USER_INPUT, Envelope, Part, ToolSpec
+from ledger.domain.envelope import (
+    MODEL_DERIVED,
+    SYSTEM,
+    USER_INPUT,
+    Envelope,
+    Part,
+    ToolSpec,
+    tool_link_problem,
+)
 from ledger.domain.facts import Category, Phase
 from ledger.domain.media import REASONING_MEDIA_TYPE, MediaKind
 from ledger.errors import FailoverExhausted, InvalidArgument, LedgerError, ProviderError
 from ledger.integrations._run import (
     RunLink,
     attempts_detail,
+    in_message,
     media_type_of,
     spliced,
     wait_out,
@@ -174,6 +183,31 @@ def _content_text(content: Any, what: str) -> str:
                                   "function_call_output when a tool returned them)",
                                   field="input")
     return "".join(out)
+
+
+def _described(item: Any) -> str:
+    """An input item as the SDK calls it (``a user message``, ``a function_call item``)."""
+    try:
+        plain = _plain(item)
+    except InvalidArgument:
+        return f"a {type(item).__name__}"
+    kind = plain.get("type", "message")
+    return f"a {plain.get('role')} message" if kind == "message" else f"a {kind} item"
+
+
+def _check_call_id(call_id: Any) -> None:
+    """Refuse a ``function_call_output`` whose ``call_id`` no part can carry.
+
+    Said as the SDK's field: the parts it would become carry the id twice (``tool_call_id``
+    and ``provenance``), and the part's refusal would name the second.
+    """
+    problem = "is missing" if not isinstance(call_id, str) else tool_link_problem(
+        "tool_call_id", call_id)
+    if problem is not None:
+        raise InvalidArgument(
+            f"invalid call_id: {problem}; a function_call_output answers a function_call by its "
+            "call_id: pass the call_id of the function_call it answers", field="input",
+            part_field="tool_call_id")
 
 
 def _tool_output(output: Any, call_id: str, data_class: str) -> tuple[str, list[Part]]:
@@ -491,60 +525,66 @@ class LedgerAgentModel(Model):
             parts.append(Part(role="system", data_class=SYSTEM, content=(
                 "Answer with a JSON value that matches this JSON schema, and nothing else: "
                 + json.dumps(output_schema.json_schema(), sort_keys=True))))
-        items = [{"role": "user", "content": input}] if isinstance(input, str) else \
-            [_plain(i) for i in input]
+        given: list[Any] = [{"role": "user", "content": input}] if isinstance(input, str) \
+            else list(input)
         calls: list[Part] = []
-        returns: list[tuple[int, dict[str, Any]]] = []
-        for item in items:
-            kind = item.get("type", "message")
-            role = item.get("role")
-            if kind == "message" and role in ("system", "developer"):
-                parts.append(Part(role="system", data_class=SYSTEM,
-                                  content=_content_text(item.get("content"),
-                                                        f"a {role} message")))
-            elif kind == "message" and role == "user":
-                parts += [await link.document(p) for p in
-                          _user_parts(item.get("content"), link.document_data_class)]
-            elif kind == "message" and role == "assistant":
-                parts.append(Part(role="assistant", data_class=MODEL_DERIVED,
-                                  provenance=_attempt_of(item.get("id")),
-                                  content=_content_text(item.get("content"),
-                                                        "an assistant message")))
-            elif kind == "function_call":
-                call = Part(role="assistant", data_class=MODEL_DERIVED,
-                            provenance=_attempt_of(item.get("id")),
-                            content=item.get("arguments") or "{}",
-                            tool_call_id=item.get("call_id"), name=item.get("name"))
-                calls.append(call)
-                parts.append(call)
-            elif kind == "function_call_output":
-                returns.append((len(parts), item))
-                parts.append(Part(content=""))  # replaced below, once recorded
-            elif kind == "reasoning":
-                attempt = _attempt_of(item.get("id"))
-                carried = item.get("encrypted_content")
-                if attempt is None or not isinstance(carried, str):
-                    continue  # not one the ledger carried: optional, and never sent
-                parts.append(Part(role="assistant", data=base64.b64decode(carried),
-                                  media_type=REASONING_MEDIA_TYPE, data_class=MODEL_DERIVED,
-                                  provenance=attempt))
-            else:
-                raise InvalidArgument(
-                    f"an input item of type {kind!r} cannot be sent through a ledger Run "
-                    "(messages, function calls and their outputs, and the reasoning items it "
-                    "returned can)", field="input")
+        returns: list[tuple[int, int, dict[str, Any]]] = []  # (part index, item index, item)
+        for at, given_item in enumerate(given):
+            try:
+                item = _plain(given_item)
+                kind = item.get("type", "message")
+                role = item.get("role")
+                if kind == "message" and role in ("system", "developer"):
+                    parts.append(Part(role="system", data_class=SYSTEM,
+                                      content=_content_text(item.get("content"),
+                                                            f"a {role} message")))
+                elif kind == "message" and role == "user":
+                    parts += [await link.document(p) for p in
+                              _user_parts(item.get("content"), link.document_data_class)]
+                elif kind == "message" and role == "assistant":
+                    parts.append(Part(role="assistant", data_class=MODEL_DERIVED,
+                                      provenance=_attempt_of(item.get("id")),
+                                      content=_content_text(item.get("content"),
+                                                            "an assistant message")))
+                elif kind == "function_call":
+                    call = Part(role="assistant", data_class=MODEL_DERIVED,
+                                provenance=_attempt_of(item.get("id")),
+                                content=item.get("arguments") or "{}",
+                                tool_call_id=item.get("call_id"), name=item.get("name"))
+                    calls.append(call)
+                    parts.append(call)
+                elif kind == "function_call_output":
+                    _check_call_id(item.get("call_id"))
+                    returns.append((len(parts), at, item))
+                    parts.append(Part(content=""))  # replaced below, once recorded
+                elif kind == "reasoning":
+                    attempt = _attempt_of(item.get("id"))
+                    carried = item.get("encrypted_content")
+                    if attempt is None or not isinstance(carried, str):
+                        continue  # not one the ledger carried: optional, and never sent
+                    parts.append(Part(role="assistant", data=base64.b64decode(carried),
+                                      media_type=REASONING_MEDIA_TYPE,
+                                      data_class=MODEL_DERIVED, provenance=attempt))
+                else:
+                    raise InvalidArgument(
+                        f"an input item of type {kind!r} cannot be sent through a ledger Run "
+                        "(messages, function calls and their outputs, and the reasoning items "
+                        "it returned can): drop it from the input", field="input")
+            except InvalidArgument as e:
+                raise in_message(e, "input", at, _described(given_item)) from e
         results: dict[int, list[Part]] = {}
-        for index, item in returns:
-            call_id = item.get("call_id")
-            if not isinstance(call_id, str):
-                raise InvalidArgument("a function_call_output item needs its call_id",
-                                      field="input")
-            tool_name: str | None = next((c.name for c in calls if c.tool_call_id == call_id), None)
-            output, files = _tool_output(item.get("output"), call_id, link.tool_data_class)
-            results[index] = await link.tool_parts(
-                call_id, tool_name, output, calls, files, field="input",
-                bytes_fix="ToolOutputImage or ToolOutputFileContent with a data: URL or "
-                          "file_data, not a URL")
+        for index, at, item in returns:
+            call_id = item["call_id"]
+            try:
+                tool_name: str | None = next((c.name for c in calls
+                                              if c.tool_call_id == call_id), None)
+                output, files = _tool_output(item.get("output"), call_id, link.tool_data_class)
+                results[index] = await link.tool_parts(
+                    call_id, tool_name, output, calls, files, field="input",
+                    bytes_fix="ToolOutputImage or ToolOutputFileContent with a data: URL or "
+                              "file_data, not a URL")
+            except InvalidArgument as e:
+                raise in_message(e, "input", at, "a function_call_output item") from e
         parts = spliced(parts, results)
         out: dict[str, Any] = {}
         if model_settings.max_tokens is not None:

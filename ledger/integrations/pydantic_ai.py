@@ -59,7 +59,7 @@ from ledger.domain.media import REASONING_MEDIA_TYPE, MediaKind
 from ledger.domain.records import AttemptRecord, RunStatus
 from ledger.domain.validation import checked, instance, text
 from ledger.errors import InvalidArgument
-from ledger.integrations._run import RunLink, media_type_of, spliced, wait_out
+from ledger.integrations._run import RunLink, in_message, media_type_of, spliced, wait_out
 
 try:
     from pydantic_ai import RunContext
@@ -532,30 +532,40 @@ class LedgerModel(Model):
         """
         parts: list[Part] = []
         calls: list[Part] = []
-        returns: list[tuple[int, ToolReturnPart]] = []
-        for message in messages:
-            if isinstance(message, ModelResponse):
-                answer = response_parts(message)
-                calls += [p for p in answer if p.tool_call_id is not None]
-                parts += answer
-                continue
-            if not isinstance(message, ModelRequest):
-                raise InvalidArgument(f"{type(message).__name__} is not a pydantic-ai message",
-                                      field="messages")
-            for part in _sendable_request_parts(message.parts):
-                if isinstance(part, SystemPromptPart):
-                    parts.append(Part(role="system", content=part.content, data_class=SYSTEM))
-                elif isinstance(part, UserPromptPart):
-                    parts += [await self._link.document(p)
-                              for p in _user_parts(part, self.document_data_class)]
-                elif isinstance(part, ToolReturnPart):
-                    returns.append((len(parts), part))
-                    parts.append(Part(content=""))  # replaced below, once recorded
-                else:
-                    raise InvalidArgument(
-                        f"a request part of kind {part.part_kind!r} cannot be sent through a "
-                        "ledger Run", field="messages")
-        results = {index: await self._tool_parts(part, calls) for index, part in returns}
+        returns: list[tuple[int, int, ToolReturnPart]] = []  # (part index, message index, ...)
+        for at, message in enumerate(messages):
+            try:
+                if isinstance(message, ModelResponse):
+                    answer = response_parts(message)
+                    calls += [p for p in answer if p.tool_call_id is not None]
+                    parts += answer
+                    continue
+                if not isinstance(message, ModelRequest):
+                    raise InvalidArgument("it is not a pydantic-ai message (a ModelRequest or a "
+                                          "ModelResponse): drop it from the message history",
+                                          field="messages")
+                for part in _sendable_request_parts(message.parts):
+                    if isinstance(part, SystemPromptPart):
+                        parts.append(Part(role="system", content=part.content,
+                                          data_class=SYSTEM))
+                    elif isinstance(part, UserPromptPart):
+                        parts += [await self._link.document(p)
+                                  for p in _user_parts(part, self.document_data_class)]
+                    elif isinstance(part, ToolReturnPart):
+                        returns.append((len(parts), at, part))
+                        parts.append(Part(content=""))  # replaced below, once recorded
+                    else:
+                        raise InvalidArgument(
+                            f"a request part of kind {part.part_kind!r} cannot be sent through "
+                            "a ledger Run", field="messages")
+            except InvalidArgument as e:
+                raise in_message(e, "messages", at, f"a {type(message).__name__}") from e
+        results: dict[int, list[Part]] = {}
+        for index, at, part in returns:
+            try:
+                results[index] = await self._tool_parts(part, calls)
+            except InvalidArgument as e:
+                raise in_message(e, "messages", at, "a ModelRequest") from e
         parts = spliced(parts, results)
         lead = next((i for i, p in enumerate(parts) if p.role != "system"), len(parts))
         instructions = self._get_instruction_parts(list(messages), params) or []
