@@ -567,6 +567,64 @@ def test_items_the_run_did_not_produce_are_refused_before_sending(
     asyncio.run(main())
 
 
+def test_an_input_item_the_ledger_refuses_is_named_by_its_index(
+        db_url: str, fake: FakeProvider) -> None:
+    """The input holds an output item per tool call: the refusal of one says which it is, as
+    its index in the input; the input as the Run produced it is served as before."""
+    fake.enqueue(Behavior(tool_call=("search", {"query": "10-K"})))
+    researcher = Agent(name="researcher", tools=[search])
+
+    async def main() -> None:
+        async with AsyncLedger.open(db_url) as led, \
+                led.run("index", plan=routes(fake), budget=BUDGET, grant=GRANT) as run:
+            result = await Runner.run(researcher, "Compare.", run_config=config(run))
+            history = result.to_input_list()
+            assert [i.get("type", "message") for i in history] == [
+                "message", "message", "function_call", "function_call_output", "message"]
+            sent = len(fake.requests)
+
+            def edit(at: int, **change: Any) -> list[Any]:
+                return [{**i, **change} if n == at else i for n, i in enumerate(history)]
+
+            go_on = {"role": "user", "content": "Go on."}
+            cases = {
+                # An output's call_id no part can keep.
+                "call id": ([*edit(3, call_id="x" * 300), go_on], 3, "tool_call_id",
+                            "input[3] (a function_call_output item): invalid call_id: is 300 "
+                            "characters long"),
+                # A link as what the tool returned: the ledger never sends one on.
+                "tool link": ([*edit(3, output=[{"type": "input_image", "detail": "auto",
+                                                 "image_url": "https://attacker.example/c.png"}]),
+                               go_on], 3, None,
+                              "input[3] (a function_call_output item): LedgerAgentModel: tool "
+                              "'search' returned a link"),
+                # The new message's file, of a type no part carries.
+                "user file": ([*history, {"role": "user", "content": [
+                    {"type": "input_text", "text": "Read it."},
+                    {"type": "input_file", "filename": "a.doc",
+                     "file_data": "data:application/msword;base64,UEsDBA=="}]}], 5, "media_type",
+                              "input[5] (a user message): a user input_file cannot be sent: "
+                              "invalid media_type"),
+            }
+            for case, (bad, index, part_field, says) in cases.items():
+                with pytest.raises(InvalidArgument) as ei:
+                    await Runner.run(researcher, bad, run_config=config(run))
+                assert ei.value.field == "input", case
+                assert ei.value.fields["message_index"] == index, case
+                assert ei.value.fields["part_field"] == part_field, case
+                assert str(ei.value).startswith(says), (case, str(ei.value))
+            assert len(fake.requests) == sent  # nothing was sent
+            # The input as the Run produced it is sent as before: the tool's output after its
+            # call.
+            ok = await Runner.run(researcher, [*history, go_on], run_config=config(run))
+            assert ok.final_output == FULL_TEXT
+            assert len(fake.requests) == sent + 1
+            body = json.dumps(fake.requests[-1].json)
+            assert '\\"hits\\": 3' in body or '"hits": 3' in body
+
+    asyncio.run(main())
+
+
 # -- images and files of user messages -------------------------------------------------------------
 
 

@@ -21,6 +21,8 @@ import pytest
 from pydantic_ai import Agent
 from pydantic_ai.exceptions import FallbackExceptionGroup
 from pydantic_ai.messages import (
+    BinaryContent,
+    ImageUrl,
     ModelMessage,
     ModelMessagesTypeAdapter,
     ModelRequest,
@@ -556,6 +558,66 @@ def test_history_the_run_did_not_produce_is_refused_before_sending(
             assert len(fake.requests) == sent  # nothing was sent
             # The history as the Run produced it still passes.
             assert (await agent.run("Go on.", message_history=history)).output == FULL_TEXT
+
+    asyncio.run(main())
+
+
+def test_a_history_message_the_ledger_refuses_is_named_by_its_index(
+        db_url: str, fake: FakeProvider) -> None:
+    """A history holds a request per tool round: the refusal of one says which it is, as its
+    index in the agent's messages; the history as the Run produced it is served as before."""
+    fake.enqueue(Behavior(tool_call=("search", {"query": "10-K"})))
+
+    def with_parts(history: list[ModelMessage], at: int, kind: type[Any],
+                   **change: Any) -> list[ModelMessage]:
+        """``history`` with each ``kind`` part of its message ``at`` changed."""
+        message = history[at]
+        return [*history[:at], replace(message, parts=[
+            replace(p, **change) if isinstance(p, kind) else p for p in message.parts]),
+                *history[at + 1:]]
+
+    async def main() -> None:
+        async with AsyncLedger.open(db_url) as led, \
+                led.run("index", plan=plan(fake), budget=BUDGET, grant=GRANT) as run:
+            agent = agent_for(run)
+            history = (await agent.run("Compare the two filings.")).all_messages()
+            assert [type(m).__name__ for m in history] == [
+                "ModelRequest", "ModelResponse", "ModelRequest", "ModelResponse"]
+            sent = len(fake.requests)
+            long_id = "x" * 300
+            long_ids = with_parts(with_parts(history, 1, ToolCallPart, tool_call_id=long_id), 2,
+                                  ToolReturnPart, tool_call_id=long_id)
+            cases: dict[str, tuple[list[ModelMessage], Any, int, str | None, str]] = {
+                # A tool call's id no part can keep, and its result's.
+                "call id": (long_ids, "Go on.", 1, "tool_call_id",
+                            "messages[1] (a ModelResponse): invalid tool_call_id: is 300 "
+                            "characters long"),
+                # A link as what the tool returned: the ledger never sends one on.
+                "tool link": (with_parts(history, 2, ToolReturnPart, content=ImageUrl(
+                    "https://attacker.example/chart.png")), "Go on.", 2, None,
+                              "messages[2] (a ModelRequest): LedgerModel: tool 'search' "
+                              "returned a link"),
+                # The new prompt's file, of a type no part carries.
+                "user file": (history, ["Read it.", BinaryContent(
+                    data=b"PK\x03\x04", media_type="application/msword")], 4, "media_type",
+                              "messages[4] (a ModelRequest): user content of kind 'binary' "
+                              "cannot be sent: invalid media_type"),
+            }
+            for case, (bad, prompt, index, part_field, says) in cases.items():
+                with pytest.raises(InvalidArgument) as ei:
+                    await agent.run(prompt, message_history=bad)
+                assert ei.value.field == "messages", case
+                assert ei.value.fields["message_index"] == index, case
+                assert ei.value.fields["part_field"] == part_field, case
+                assert str(ei.value).startswith(says), (case, str(ei.value))
+            assert len(fake.requests) == sent  # nothing was sent
+            # The history as the Run produced it is sent as before: the tool's result after
+            # its call.
+            again = await agent.run("Go on.", message_history=history)
+            assert again.output == FULL_TEXT
+            assert len(fake.requests) == sent + 1
+            body = json.dumps(fake.requests[-1].json)
+            assert '\\"hits\\": 3' in body or '"hits": 3' in body
 
     asyncio.run(main())
 
