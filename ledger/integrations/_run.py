@@ -35,6 +35,8 @@ coroutines and :func:`drive` runs it to completion for the blocking paths.
 from __future__ import annotations
 
 import asyncio
+import base64
+import binascii
 import hashlib
 import mimetypes
 import re
@@ -131,6 +133,21 @@ def in_message(error: InvalidArgument, field: str, at: int, what: str) -> Invali
     inner = error.fields.get("part_field") or (None if error.field == field else error.field)
     return InvalidArgument(f"{field}[{at}] ({what}): {error.message}", field=field,
                            message_index=at, part_field=inner)
+
+
+def carried_reasoning(text: str) -> bytes:
+    """A reasoning item the ledger handed back with an answer (as base64), as its part's data.
+
+    A framework keeps it in the answer's metadata, where a host can change or cut it; what does
+    not decode is refused as the reasoning it is, not as a bare ``binascii.Error``.
+    """
+    try:
+        return base64.b64decode(text, validate=True)
+    except (binascii.Error, ValueError):
+        raise InvalidArgument(
+            "a reasoning item the ledger returned with an earlier answer is not valid base64 "
+            "(it was changed or cut): pass the answer as the ledger returned it, or drop its "
+            "reasoning", field="reasoning") from None
 
 
 def media_type_of(url: str | None, filename: str | None = None, *, what: str, fix: str,
@@ -557,5 +574,5 @@ def attempts_detail(result: Any, run_id: str) -> dict[str, Any]:
             "cost": None if att.cost is None else str(att.cost)}
 
 
-__all__ = ["RunLink", "attempts_detail", "drive", "in_message", "media_type_of", "spliced",
-           "turn_ids_of", "wait_out"]
+__all__ = ["RunLink", "attempts_detail", "carried_reasoning", "drive", "in_message",
+           "media_type_of", "spliced", "turn_ids_of", "wait_out"]

@@ -63,6 +63,7 @@ from ledger.errors import FailoverExhausted, InvalidArgument
 from ledger.integrations._run import (
     RunLink,
     attempts_detail,
+    carried_reasoning,
     drive,
     in_message,
     media_type_of,
@@ -227,7 +228,7 @@ def ai_parts(message: AIMessage) -> list[Part]:
     found = ours.get("arguments")
     raw: dict[str, Any] = found if isinstance(found, dict) else {}
     parts: list[Part] = [
-        Part(role="assistant", data=base64.b64decode(r), media_type=REASONING_MEDIA_TYPE,
+        Part(role="assistant", data=carried_reasoning(r), media_type=REASONING_MEDIA_TYPE,
              data_class=MODEL_DERIVED, provenance=attempt)
         for r in ours.get("reasoning", []) if isinstance(r, str)]
     texts: list[str] = []

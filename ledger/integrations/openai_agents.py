@@ -67,6 +67,7 @@ from ledger.errors import FailoverExhausted, InvalidArgument, LedgerError, Provi
 from ledger.integrations._run import (
     RunLink,
     attempts_detail,
+    carried_reasoning,
     in_message,
     media_type_of,
     spliced,
@@ -562,7 +563,7 @@ class LedgerAgentModel(Model):
                     carried = item.get("encrypted_content")
                     if attempt is None or not isinstance(carried, str):
                         continue  # not one the ledger carried: optional, and never sent
-                    parts.append(Part(role="assistant", data=base64.b64decode(carried),
+                    parts.append(Part(role="assistant", data=carried_reasoning(carried),
                                       media_type=REASONING_MEDIA_TYPE,
                                       data_class=MODEL_DERIVED, provenance=attempt))
                 else:

@@ -59,7 +59,14 @@ from ledger.domain.media import REASONING_MEDIA_TYPE, MediaKind
 from ledger.domain.records import AttemptRecord, RunStatus
 from ledger.domain.validation import checked, instance, text
 from ledger.errors import InvalidArgument
-from ledger.integrations._run import RunLink, in_message, media_type_of, spliced, wait_out
+from ledger.integrations._run import (
+    RunLink,
+    carried_reasoning,
+    in_message,
+    media_type_of,
+    spliced,
+    wait_out,
+)
 
 try:
     from pydantic_ai import RunContext
@@ -195,7 +202,7 @@ def _carried(part: ThinkingPart) -> bytes | None:
     """The reasoning item a ``ThinkingPart`` carries for the ledger, as its part's data."""
     ours = (part.provider_details or {}).get(DETAILS_KEY)
     data = ours.get("reasoning") if isinstance(ours, dict) else None
-    return base64.b64decode(data) if isinstance(data, str) else None
+    return carried_reasoning(data) if isinstance(data, str) else None
 
 
 def _media_part(item: Any, data_class: str, whose: str = "user content") -> Part:

@@ -1117,6 +1117,16 @@ def test_a_history_message_the_ledger_refuses_is_named_by_its_index(
             assert ei.value.fields["part_field"] == "tool_call_id"
             assert str(ei.value).startswith("messages[3] (a ToolMessage): invalid tool_call_id: "
                                             "is 300 characters long")
+            # A reasoning item the ledger carried, cut in the host's keeping.
+            cut = first.model_copy(update={"response_metadata": {
+                **first.response_metadata,
+                "ledger": {**first.response_metadata["ledger"], "reasoning": ["abc"]}}})
+            with pytest.raises(InvalidArgument) as ei:
+                await model.ainvoke([HumanMessage("Search."), cut, answered])
+            assert ei.value.fields["message_index"] == 1
+            assert ei.value.fields["part_field"] == "reasoning"
+            assert str(ei.value).startswith("messages[1] (a AIMessage): a reasoning item the "
+                                            "ledger returned with an earlier answer is not valid")
 
     asyncio.run(main())
     assert len(fake.requests) == 1

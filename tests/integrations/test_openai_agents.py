@@ -598,6 +598,12 @@ def test_an_input_item_the_ledger_refuses_is_named_by_its_index(
                                go_on], 3, None,
                               "input[3] (a function_call_output item): LedgerAgentModel: tool "
                               "'search' returned a link"),
+                # A reasoning item the ledger carried, cut in the host's keeping.
+                "cut reasoning": ([*history[:2], {
+                    "type": "reasoning", "id": "rs_a1_0", "summary": [],
+                    "encrypted_content": "abc"}, *history[2:], go_on], 2, "reasoning",
+                                  "input[2] (a reasoning item): a reasoning item the ledger "
+                                  "returned with an earlier answer is not valid base64"),
                 # The new message's file, of a type no part carries.
                 "user file": ([*history, {"role": "user", "content": [
                     {"type": "input_text", "text": "Read it."},

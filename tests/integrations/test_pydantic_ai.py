@@ -31,6 +31,7 @@ from pydantic_ai.messages import (
     PartStartEvent,
     TextPart,
     TextPartDelta,
+    ThinkingPart,
     ToolCallPart,
     ToolReturnPart,
     UserPromptPart,
@@ -597,6 +598,12 @@ def test_a_history_message_the_ledger_refuses_is_named_by_its_index(
                     "https://attacker.example/chart.png")), "Go on.", 2, None,
                               "messages[2] (a ModelRequest): LedgerModel: tool 'search' "
                               "returned a link"),
+                # A reasoning item the ledger carried, cut in the host's keeping.
+                "cut reasoning": ([history[0], replace(history[1], parts=[ThinkingPart(
+                    content="", provider_details={"ledger": {"reasoning": "abc"}}),
+                    *history[1].parts]), *history[2:]], "Go on.", 1, "reasoning",
+                                  "messages[1] (a ModelResponse): a reasoning item the ledger "
+                                  "returned with an earlier answer is not valid base64"),
                 # The new prompt's file, of a type no part carries.
                 "user file": (history, ["Read it.", BinaryContent(
                     data=b"PK\x03\x04", media_type="application/msword")], 4, "media_type",
