@@ -42,7 +42,7 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
-from ledger.decide.health import PROVIDER_KEY_PREFIX, canonical_key
+from ledger.decide.health import PROVIDER_KEY_PREFIX, canonical_key, provider_key
 from ledger.decide.preflight import Check, PreflightFailure
 from ledger.decide.profiles import Pin
 from ledger.decide.select import RunPermissions, SelectionInput
@@ -55,7 +55,8 @@ from ledger.policy.model import Policy
 #: :data:`READ_VERSIONS`. 2: a provider's health key is folded (migration 0020) in every
 #: record; a version-1 record may keep it as a route spelled it.
 INPUTS_VERSION = 2
-#: The versions a reader takes: the same members, read alike.
+#: The versions a reader takes: the same members; a version-1 record's provider keys are
+#: folded as it is read (:func:`parse_inputs`).
 READ_VERSIONS = (1, 2)
 
 #: How a recorded decision was made (``by``).
@@ -86,8 +87,8 @@ class RecordedInputs:
         groups: The capacity-group projections the selector read, by group.
         refused: Groups whose admission refused an Attempt of the turn.
         health: The health the selector read, by key (only the fields it reads), a provider's
-            key folded as the selector looks it up now
-            (:func:`~ledger.decide.health.canonical_key`).
+            key in a version-1 record folded as the selector looks it up now
+            (:func:`~ledger.decide.health.provider_key`; :func:`parse_inputs`).
         verdicts: The first failed preflight check of each plan route that fails.
         version: The record's format (``v``): 1 may predate the folded provider keys
             (:func:`decided_again`).
@@ -212,16 +213,44 @@ def _health(k: str, row: Any) -> Health:
     return Health(key=k, cooldown_until=cu, disabled_until=du, last_probe_at=lp, last_used=lu)
 
 
-def _folded_health(table: Mapping[str, Any], memo: dict[Any, Any]) -> dict[str, Health]:
-    """The recorded health by key as the selector looks it up now.
+def _read_keys(version: int, plan: Sequence[Route],
+               policy: Policy | None) -> Callable[[str], tuple[str, ...]]:
+    """The keys the selector looks a recorded health key up under now, for a record of
+    ``version`` made over ``plan`` under ``policy``.
 
-    A record made before migration 0020 keeps a provider's key as the route spelled it; rows
-    that fold to one key merge as 0020 merged the stored rows: the later cooldown end, disable,
-    probe and use of them.
+    Only a provider's key can have changed, and only in a version-1 record: one made before
+    migration 0020 keeps it as a route spelled its provider. Which recorded keys are a
+    provider's the record alone cannot say: a route or profile id may be ``provider:Foo`` too,
+    and is read as it is. The policy the decision was made under can: only under
+    ``health.key: provider`` does the selector read a provider's key, ``provider:`` and the
+    name as a route of the plan spells it. A profile id spelled so was read through the same
+    row then, and is kept under its own key as well.
+    """
+    if version >= 2 or policy is None or policy.health.key != "provider":
+        return lambda k: (k,)
+    spelled = {PROVIDER_KEY_PREFIX + r.provider for r in plan}
+    profiles = {p.id for r in plan for p in r.profiles}
+
+    def keys(k: str) -> tuple[str, ...]:
+        if k not in spelled:
+            return (k,)
+        folded = canonical_key(k)
+        return (folded, k) if k in profiles and k != folded else (folded,)
+    return keys
+
+
+def _read_health(table: Mapping[str, Any], keys: Callable[[str], tuple[str, ...]],
+                 memo: dict[Any, Any]) -> dict[str, Health]:
+    """The recorded health by the key the selector looks each up under now (``keys``).
+
+    Rows that come to one key (spellings of one provider in a version-1 record) merge as
+    migration 0020 merged the stored rows: the later cooldown end, disable, probe and use of
+    them.
     """
     rows: dict[str, list[Any]] = {}
     for k, row in table.items():
-        rows.setdefault(canonical_key(k), []).append(row)
+        for key in keys(k):
+            rows.setdefault(key, []).append(row)
     health = {}
     for key, same in rows.items():
         row = same[0] if len(same) == 1 else [
@@ -231,24 +260,31 @@ def _folded_health(table: Mapping[str, Any], memo: dict[Any, Any]) -> dict[str, 
     return health
 
 
-def decided_again(rec: RecordedInputs, plan: Sequence[Route]) -> bool:
-    """Whether ``rec`` can decide its decision again over ``plan`` (the Run's frozen plan).
+def decided_again(rec: RecordedInputs, plan: Sequence[Route], policy: Policy) -> bool:
+    """Whether ``rec`` can decide its decision again over ``plan`` (the Run's frozen plan)
+    under ``policy`` (the Run's frozen policy, which it was made under).
 
     Not when it may have been recorded before migration 0020 folded provider keys (a
-    version-1 record), it holds a provider's health, and the plan spells that provider two ways
-    (``OpenAI``, ``openai``): the selector then read each spelling's routes under a key of its
-    own, and a row under one spelling (the only one recorded, a healthy spelling has none) was
-    never read for the other's routes, which the one folded key cannot give back. With one
-    spelling, folding renames the key and decides alike. Conservative: a version-1 record made
-    after 0020 over such a plan is not decided again either, since nothing in it says when.
+    version-1 record), and two keys the selector read apart then are one key now, and the
+    record holds its health: under ``health.key: provider``, a plan that spells one provider
+    two ways (``OpenAI``, ``openai``), or a profile id that is a provider's folded key. The
+    selector then read each under a key of its own, and a row under one (the only one
+    recorded, a healthy key has none) was never read for the other, which the one key now
+    cannot give back. With one spelling, folding renames the key and decides alike; under
+    another ``health.key`` no provider's key is read, and nothing was folded. Conservative: a
+    version-1 record made after 0020 over such a plan is not decided again either, since
+    nothing in it says when.
     """
-    if rec.version >= 2:
+    if rec.version >= 2 or policy.health.key != "provider":
         return True
-    spellings: dict[str, set[str]] = {}
+    # The keys read then, by the key each is read under now.
+    then: dict[str, set[str]] = {}
     for r in plan:
-        spellings.setdefault(r.provider.casefold(), set()).add(r.provider)
-    split = {PROVIDER_KEY_PREFIX + name for name, names in spellings.items() if len(names) > 1}
-    return not split.intersection(rec.health)
+        then.setdefault(provider_key(r.provider), set()).add(PROVIDER_KEY_PREFIX + r.provider)
+        for p in r.profiles:
+            then.setdefault(p.id, set()).add(p.id)
+    merged = {now for now, read in then.items() if len(read) > 1}
+    return not merged.intersection(rec.health)
 
 
 def _verdict(row: Any) -> PreflightFailure:
@@ -266,11 +302,17 @@ def _memo(memo: dict[Any, Any], key: Any, make: Callable[[], Any]) -> Any:
         return make()
 
 
-def parse_inputs(data: Any, *, memo: dict[Any, Any] | None = None) -> RecordedInputs:
+def parse_inputs(data: Any, *, plan: Sequence[Route], policy: Policy | None,
+                 memo: dict[Any, Any] | None = None) -> RecordedInputs:
     """The recorded inputs of one decision, read back from its JSON record.
 
     Args:
         data: The record (the ``inputs`` member of a ``select`` or ``stop`` event).
+        plan: The frozen plan of the decision's Run.
+        policy: The frozen policy of the decision's Run, which it was made under: a record of
+            format 1 has its provider keys folded, and only under ``health.key: provider`` is
+            a ``provider:`` key a provider's (a route or profile id may be spelled so too).
+            ``None`` (a policy that does not read): every key is read as recorded.
         memo: Where projections, health and verdicts already read are kept, so that one
             reader of many records validates each distinct one once.
 
@@ -297,7 +339,8 @@ def parse_inputs(data: Any, *, memo: dict[Any, Any] | None = None) -> RecordedIn
                                   field="tried_pairs")
         groups = {g: _memo(memo, ("g", g, *row), partial(_group, g, row))
                   for g, row in _table(data, "groups").items()}
-        health = _folded_health(_table(data, "health"), memo)
+        health = _read_health(_table(data, "health"),
+                              _read_keys(int(data["v"]), plan, policy), memo)
         verdicts = {r: _memo(memo, ("v", *row), partial(_verdict, row))
                     for r, row in _table(data, "preflight").items()}
         pin = data.get("pin")

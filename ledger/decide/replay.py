@@ -733,10 +733,12 @@ class _Replay:
             inputs = None
             if raw is not None:
                 try:
-                    inputs = parse_inputs(raw, memo=self.memo)
+                    inputs = parse_inputs(raw, plan=run.plan, policy=run.policy,
+                                          memo=self.memo)
                 except InvalidArgument:
                     self.malformed += 1
-                if inputs is not None and not decided_again(inputs, run.plan):
+                if (inputs is not None and run.policy is not None
+                        and not decided_again(inputs, run.plan, run.policy)):
                     # Decided under one key per spelling of a provider (before migration
                     # 0020), which the folded key cannot give back: taken as recorded.
                     inputs = None

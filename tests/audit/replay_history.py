@@ -16,7 +16,7 @@ import random
 from collections.abc import Callable, Iterator
 from decimal import Decimal
 
-from ledger import Budget, Envelope, FailoverExhausted, Grant, Ledger, Part, Price, Route
+from ledger import Budget, Envelope, FailoverExhausted, Grant, Ledger, Part, Policy, Price, Route
 from ledger.api.turn import Dispatch, SendResult, execute
 from ledger.clock import ManualClock
 from ledger.domain.envelope import MODEL_DERIVED, USER_INPUT
@@ -84,7 +84,7 @@ class Recorder:
         self.at = START
         self.runs: dict[str, list[str]] = {}
 
-    def run(self, tenant: str, plan: list[Route], policy: str,
+    def run(self, tenant: str, plan: list[Route], policy: Policy | str,
             turns: list[dict[str, SendResult]], *, budget: Budget | None = None,
             before: Callable[[], None] | None = None) -> str:
         n = len(self.runs.get(tenant, []))

@@ -97,7 +97,7 @@ def test_every_recorded_decision_is_recomputed_exactly_from_the_ledger_alone(
                 assert "inputs" in data, f"{summary.run_id}: {ev.kind} without its inputs"
             if "inputs" not in data:
                 continue  # a stop no decision led to (the host's own, say)
-            rec = parse_inputs(data["inputs"])
+            rec = parse_inputs(data["inputs"], plan=frozen.plan, policy=policy)
             failed = facts[rec.failed] if rec.failed else None
             fact = failed.fact if failed is not None else None
             kind = f"{ev.kind}/{rec.by}/{rec.on}"

@@ -149,7 +149,7 @@ def test_a_recorded_decision_is_recomputed_exactly_from_its_stored_inputs(
     stored = _stored(record_inputs(inp, by="select",
                                    on="failure" if inp.failure else "new_turn", turn="t1",
                                    failed="att-9" if inp.failure else None))
-    rec = parse_inputs(stored)
+    rec = parse_inputs(stored, plan=inp.plan, policy=POLICIES[name])
     again = select(selection_input(rec, plan=inp.plan, policy=POLICIES[name], role=inp.role,
                                    grant=inp.grant, failure=inp.failure))
     assert redact_data(again.to_json()) == redact_data(decision.to_json())
@@ -209,23 +209,35 @@ def test_the_record_keeps_only_what_can_change_a_decision() -> None:
 ])
 def test_a_malformed_record_is_a_typed_error_naming_the_field(record: Any, field: str) -> None:
     with pytest.raises(InvalidArgument) as e:
-        parse_inputs(record)
+        parse_inputs(record, plan=ROUTES, policy=POLICIES["goclaw"])
     assert e.value.fields["field"] == field
 
 
-def _spelled(provider: str, rid: str, group: str) -> Route:
-    return Route(id=rid, provider=provider, model="m", group=group, recipient="r")
+def _spelled(provider: str, rid: str, group: str, **kw: Any) -> Route:
+    return Route(id=rid, provider=provider, model="m", group=group, recipient="r", **kw)
 
 
-def _recorded_before_the_fold(plan: list[Route], health: dict[str, Health],
-                              version: int = 1) -> Any:
-    """A record as the selector wrote it before migration 0020: provider keys as spelled, in
-    format 1 (``version``: as a record of that format, whatever its keys)."""
-    inp = SelectionInput(plan=plan, policy=POLICIES["goclaw"], now=NOW,
+def _recorded(plan: list[Route], health: dict[str, Health], version: int = 2,
+              policy: str = "goclaw") -> Any:
+    """The stored record of a new turn's decision over ``plan`` under preset ``policy``
+    reading ``health``, as a record of format ``version`` (whatever its keys)."""
+    inp = SelectionInput(plan=plan, policy=POLICIES[policy], now=NOW,
                          permissions=RunPermissions(retries_left=2, calls_left=2),
                          request=Envelope(parts=[Part(content="x")]), health=health)
     return {**_stored(record_inputs(replace(inp, verdicts=preflight_verdicts(inp)),
                                     by="select", on="new_turn", turn="t1")), "v": version}
+
+
+def _recorded_before_the_fold(plan: list[Route], health: dict[str, Health],
+                              version: int = 1) -> Any:
+    """A record as the selector wrote it before migration 0020 under goclaw (health keyed by
+    provider): provider keys as spelled, in format 1 (``version``: as a record of that format,
+    whatever its keys)."""
+    return _recorded(plan, health, version)
+
+
+def _read(record: Any, plan: list[Route], policy: str = "goclaw") -> Any:
+    return parse_inputs(record, plan=plan, policy=POLICIES[policy])
 
 
 def test_a_provider_key_recorded_before_the_fold_is_read_under_the_folded_key() -> None:
@@ -235,9 +247,9 @@ def test_a_provider_key_recorded_before_the_fold_is_read_under_the_folded_key() 
     # "decided differently" in an upgraded ledger).
     plan = [_spelled("OpenAI", "a", "ga"), _spelled("Other", "b", "gb")]
     cooling = Health(key="provider:OpenAI", cooldown_until=NOW + 60)
-    rec = parse_inputs(_recorded_before_the_fold(plan, {"provider:OpenAI": cooling}))
+    rec = _read(_recorded_before_the_fold(plan, {"provider:OpenAI": cooling}), plan)
     assert set(rec.health) == {"provider:openai"} and rec.version == 1
-    assert decided_again(rec, plan)  # one spelling: the fold only renames the key
+    assert decided_again(rec, plan, POLICIES["goclaw"])  # one spelling: only renamed
     decision = select(selection_input(rec, plan=plan, policy=POLICIES["goclaw"],
                                       role="research", grant=None, failure=None))
     # Read as cooling: goclaw probes its cooling primary (unread, it was a plain first choice).
@@ -250,11 +262,12 @@ def test_a_decision_over_two_spellings_of_a_provider_before_the_fold_is_not_deci
     # Before the fold the selector read OpenAI's routes under one key and openai's under
     # another: one cooling, one not, which no folded key gives back. Such a decision is taken
     # as recorded (counted as without inputs), not reported as a disagreement.
+    goclaw = POLICIES["goclaw"]
     plan = [_spelled("OpenAI", "a", "ga"), _spelled("openai", "b", "gb")]
-    rec = parse_inputs(_recorded_before_the_fold(plan, {
+    rec = _read(_recorded_before_the_fold(plan, {
         "provider:OpenAI": Health(key="provider:OpenAI", cooldown_until=NOW + 60),
-        "provider:openai": Health(key="provider:openai", last_used=NOW - 5)}))
-    assert not decided_again(rec, plan)
+        "provider:openai": Health(key="provider:openai", last_used=NOW - 5)}), plan)
+    assert not decided_again(rec, plan, goclaw)
     # Merged as migration 0020 merges the stored rows: the later of each time.
     merged = rec.health["provider:openai"]
     assert (merged.cooldown_until, merged.last_used) == (NOW + 60, NOW - 5)
@@ -262,9 +275,88 @@ def test_a_decision_over_two_spellings_of_a_provider_before_the_fold_is_not_deci
     # nothing in the keys says the record predates the fold, yet OpenAI's routes never read
     # openai's cooldown then. A record of format 1 is not decided again over such a plan.
     lower_only = {"provider:openai": Health(key="provider:openai", cooldown_until=NOW + 60)}
-    assert not decided_again(parse_inputs(_recorded_before_the_fold(plan, lower_only)), plan)
+    assert not decided_again(_read(_recorded_before_the_fold(plan, lower_only), plan), plan,
+                             goclaw)
     # Nor is that needed when the record holds no health of the provider spelled two ways.
-    assert decided_again(parse_inputs(_recorded_before_the_fold(plan, {})), plan)
+    assert decided_again(_read(_recorded_before_the_fold(plan, {}), plan), plan, goclaw)
     # A record made since (format 2: folded keys) is decided again over any plan.
-    since = parse_inputs(_recorded_before_the_fold(plan, lower_only, version=2))
-    assert since.version == 2 and decided_again(since, plan)
+    since = _read(_recorded_before_the_fold(plan, lower_only, version=2), plan)
+    assert since.version == 2 and decided_again(since, plan, goclaw)
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_a_route_id_spelled_like_a_provider_key_is_read_as_recorded(version: int) -> None:
+    # failure-domain keys health by route: the route provider:Foo cooled under its own id, and
+    # the selector looks it up by that id, under 0020 as before. Folded to provider:foo, the
+    # replay under the recorded policy read it healthy and chose the cooling route.
+    plan = [_spelled("Foo", "provider:Foo", "ga"), _spelled("bar", "b", "gb")]
+    cooling = {"provider:Foo": Health(key="provider:Foo", cooldown_until=NOW + 60)}
+    record = _recorded(plan, cooling, version, policy="failure-domain")
+    rec = _read(record, plan, "failure-domain")
+    assert set(rec.health) == {"provider:Foo"}
+    policy = POLICIES["failure-domain"]
+    assert decided_again(rec, plan, policy)
+    inp = SelectionInput(plan=plan, policy=policy, now=NOW, role="research",
+                         permissions=RunPermissions(retries_left=2, calls_left=2),
+                         request=Envelope(parts=[Part(content="x")]), health=cooling)
+    again = select(selection_input(rec, plan=plan, policy=policy, role="research", grant=None,
+                                   failure=None))
+    assert again == select(replace(inp, verdicts=preflight_verdicts(inp)))
+    assert again.route is not None and again.route.id == "b"
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_a_profile_id_spelled_like_a_provider_key_is_read_as_recorded(version: int) -> None:
+    # fased keys health by profile: the profile provider:Foo cooled under its own id, and
+    # fased rotates to the route's other profile. Folded, the replay read it healthy.
+    profiles = [Profile(id="provider:Foo"), Profile(id="foo:key")]
+    plan = [_spelled("Foo", "a", "ga", profiles=profiles), _spelled("bar", "b", "gb")]
+    cooling = {"provider:Foo": Health(key="provider:Foo", cooldown_until=NOW + 60)}
+    rec = _read(_recorded(plan, cooling, version, policy="fased"), plan, "fased")
+    assert set(rec.health) == {"provider:Foo"}
+    policy = POLICIES["fased"]
+    assert decided_again(rec, plan, policy)
+    inp = SelectionInput(plan=plan, policy=policy, now=NOW, role="research",
+                         permissions=RunPermissions(retries_left=2, calls_left=2),
+                         request=Envelope(parts=[Part(content="x")]), health=cooling)
+    again = select(selection_input(rec, plan=plan, policy=policy, role="research", grant=None,
+                                   failure=None))
+    assert again == select(replace(inp, verdicts=preflight_verdicts(inp)))
+    assert (again.route_id, again.profile) == ("a", "foo:key")
+
+
+def test_a_record_of_two_spellings_under_a_route_key_is_decided_again() -> None:
+    # Spellings of one provider are two keys only where health is keyed by provider; under
+    # failure-domain nothing was folded, and a route id provider:openai is that route's.
+    policy = POLICIES["failure-domain"]
+    plan = [_spelled("OpenAI", "a", "ga"), _spelled("openai", "provider:openai", "gb")]
+    cooling = {"provider:openai": Health(key="provider:openai", cooldown_until=NOW + 60)}
+    rec = _read(_recorded(plan, cooling, 1, policy="failure-domain"), plan, "failure-domain")
+    assert set(rec.health) == {"provider:openai"} and decided_again(rec, plan, policy)
+
+
+def test_a_profile_id_that_a_providers_spelling_folds_onto_is_not_decided_again() -> None:
+    # Before 0020, under goclaw, the route of Foo read provider:Foo and the profile
+    # provider:foo its own row; now both read provider:foo, which cannot give back the two.
+    goclaw = POLICIES["goclaw"]
+    plan = [_spelled("Foo", "a", "ga"),
+            _spelled("bar", "b", "gb", profiles=[Profile(id="provider:foo")])]
+    held = {"provider:foo": Health(key="provider:foo", cooldown_until=NOW + 60)}
+    assert not decided_again(_read(_recorded_before_the_fold(plan, held), plan), plan, goclaw)
+    # A profile id that is a spelling itself was read through the route's row then, and is
+    # kept under its own key beside the folded one.
+    plan = [_spelled("Foo", "a", "ga"),
+            _spelled("bar", "b", "gb", profiles=[Profile(id="provider:Foo")])]
+    held = {"provider:Foo": Health(key="provider:Foo", cooldown_until=NOW + 60)}
+    rec = _read(_recorded_before_the_fold(plan, held), plan)
+    assert set(rec.health) == {"provider:Foo", "provider:foo"}
+    assert decided_again(rec, plan, goclaw)
+
+
+def test_a_record_read_without_its_runs_policy_keeps_its_keys() -> None:
+    # A Run whose frozen policy does not read (a bulk-loaded marker) is not replayed; its
+    # records are still read for their turn and time, their keys as recorded.
+    plan = [_spelled("OpenAI", "a", "ga")]
+    held = {"provider:OpenAI": Health(key="provider:OpenAI", cooldown_until=NOW + 60)}
+    rec = parse_inputs(_recorded_before_the_fold(plan, held), plan=plan, policy=None)
+    assert set(rec.health) == {"provider:OpenAI"}
