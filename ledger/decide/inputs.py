@@ -215,16 +215,15 @@ def _health(k: str, row: Any) -> Health:
 
 def _read_keys(version: int, plan: Sequence[Route],
                policy: Policy | None) -> Callable[[str], tuple[str, ...]]:
-    """The keys the selector looks a recorded health key up under now, for a record of
-    ``version`` made over ``plan`` under ``policy``.
+    """How a recorded health key of a record of ``version`` over ``plan`` is looked up now.
 
     Only a provider's key can have changed, and only in a version-1 record: one made before
     migration 0020 keeps it as a route spelled its provider. Which recorded keys are a
-    provider's the record alone cannot say: a route or profile id may be ``provider:Foo`` too,
-    and is read as it is. The policy the decision was made under can: only under
-    ``health.key: provider`` does the selector read a provider's key, ``provider:`` and the
-    name as a route of the plan spells it. A profile id spelled so was read through the same
-    row then, and is kept under its own key as well.
+    provider's the record alone cannot say (a route or profile id may be ``provider:Foo``
+    too, and is read as it is); ``policy``, the one the decision was made under, can: only
+    under ``health.key: provider`` does the selector read a provider's key, ``provider:`` and
+    the name as a route of the plan spells it. A profile id spelled so was read through the
+    same row then, and is kept under its own key as well.
     """
     if version >= 2 or policy is None or policy.health.key != "provider":
         return lambda k: (k,)
@@ -261,17 +260,17 @@ def _read_health(table: Mapping[str, Any], keys: Callable[[str], tuple[str, ...]
 
 
 def decided_again(rec: RecordedInputs, plan: Sequence[Route], policy: Policy) -> bool:
-    """Whether ``rec`` can decide its decision again over ``plan`` (the Run's frozen plan)
-    under ``policy`` (the Run's frozen policy, which it was made under).
+    """Whether ``rec`` can decide its decision again over ``plan`` under ``policy``.
 
-    Not when it may have been recorded before migration 0020 folded provider keys (a
-    version-1 record), and two keys the selector read apart then are one key now, and the
-    record holds its health: under ``health.key: provider``, a plan that spells one provider
-    two ways (``OpenAI``, ``openai``), or a profile id that is a provider's folded key. The
-    selector then read each under a key of its own, and a row under one (the only one
-    recorded, a healthy key has none) was never read for the other, which the one key now
-    cannot give back. With one spelling, folding renames the key and decides alike; under
-    another ``health.key`` no provider's key is read, and nothing was folded. Conservative: a
+    ``plan`` and ``policy`` are the Run's frozen ones, which the decision was made under. Not
+    when it may have been recorded before migration 0020 folded provider keys (a version-1
+    record), two keys the selector read apart then are one key now, and the record holds its
+    health: under ``health.key: provider``, a plan that spells one provider two ways
+    (``OpenAI``, ``openai``), or a profile id that is a provider's folded key. The selector
+    then read each under a key of its own, and a row under one (the only one recorded, a
+    healthy key has none) was never read for the other, which the one key now cannot give
+    back. With one spelling, folding renames the key and decides alike; under another
+    ``health.key`` no provider's key is read, and nothing was folded. Conservative: a
     version-1 record made after 0020 over such a plan is not decided again either, since
     nothing in it says when.
     """

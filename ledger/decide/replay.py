@@ -283,8 +283,8 @@ class Coverage:
 
     ``decisions_without_inputs``: recorded decisions with no inputs (recorded before inputs
     were, or by a host deciding itself) or with inputs that cannot decide them again (recorded
-    before migration 0020 folded a provider's key, over a plan that spells that provider two
-    ways), taken as recorded; ``turns_without_inputs``: turns none
+    before migration 0020 folded a provider's key, under ``health.key: provider`` over a plan
+    that spells that provider two ways), taken as recorded; ``turns_without_inputs``: turns none
     of whose decisions can be replayed (counted alike under both policies);
     ``runs_without_policy``: Runs whose frozen policy does not read; ``malformed``: inputs that
     do not read. ``world`` says, per recorded policy, whether the other policy reads the
