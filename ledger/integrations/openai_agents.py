@@ -133,13 +133,17 @@ def _chained(previous_response_id: str, input: Any) -> InvalidArgument:
             "Runner.run(..., previous_response_id=...) asks the provider to hold the "
             f"conversation. Remove previous_response_id: {_STATE_FIX}",
             field="previous_response_id")
+    # Only tool outputs after a response id: what auto_previous_response_id sends, and also
+    # what previous_response_id= with such an input sends; the model cannot tell which, so the
+    # refusal names both (auto first: the SDK's own way of chaining a run).
     return InvalidArgument(
-        "Runner.run(..., auto_previous_response_id=True) chains each model call of a run after "
-        "the first to the previous response, which the provider would have to hold (this "
-        f"call carries previous_response_id {previous_response_id!r} and only the items since "
-        "it). The SDK tells a model nothing of it before the run's second call, so the run's "
-        "first model call was served and its tools ran. Remove auto_previous_response_id (and "
-        f"any previous_response_id) from Runner.run: {_STATE_FIX}",
+        f"this model call is chained to response {previous_response_id!r} and carries only the "
+        "items since it (tool outputs), which the provider would have to hold. Either "
+        "Runner.run(..., auto_previous_response_id=True) chained it (the SDK tells a model "
+        "nothing of that before the run's second call, so the run's first model call was "
+        "served and its tools ran), or Runner.run(..., previous_response_id=...) was given "
+        "an input of only tool outputs. Remove auto_previous_response_id and "
+        f"previous_response_id from Runner.run: {_STATE_FIX}",
         field="auto_previous_response_id")
 
 

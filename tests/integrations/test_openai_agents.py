@@ -752,6 +752,16 @@ def test_misuse_is_refused_with_the_fix_and_records_nothing(
                     assert ei.value.field == field and "failover" in str(ei.value)
                     assert "keep the conversation in the input" in str(ei.value)
                     assert "auto_previous_response_id" not in str(ei.value)
+                # previous_response_id= with only tool outputs looks to the model as the SDK's
+                # own chaining does: the refusal names both settings, not the automatic alone.
+                with pytest.raises(InvalidArgument) as ei:
+                    await Runner.run(plain, [{"type": "function_call_output", "call_id": "c1",
+                                              "output": "3 hits"}], run_config=config(run),
+                                     previous_response_id="resp_1")
+                assert "Runner.run(..., previous_response_id=...) was given an input of only " \
+                    "tool outputs" in str(ei.value)
+                assert "Remove auto_previous_response_id and previous_response_id" \
+                    in str(ei.value)
                 # Each refusal gives its own fix: store is dropped, a stored prompt's text
                 # goes in the instructions (the conversation is not what they are about).
                 with pytest.raises(InvalidArgument) as ei:
