@@ -653,7 +653,7 @@ class LedgerAgentModel(Model):
         ledger's record in its ``metadata``. A stop raises
         :class:`~ledger.errors.FailoverExhausted` from the iteration.
         """
-        from ledger.adapters.contract import TextDelta
+        from ledger.adapters.contract import Reset, TextDelta
 
         link = self.link
         link.check_open()
@@ -676,24 +676,34 @@ class LedgerAgentModel(Model):
         first = self.run.record.plan[0].model if self.run.record else ""
         task: asyncio.Future[Any] | None = None
         text: list[str] = []
+        at = 0  # the output index of the streamed text's item
         try:
             yield ResponseCreatedEvent(type="response.created", sequence_number=seq(),
                                        response=_pending(turn_id, first))
             task = asyncio.ensure_future(serve())
             while (event := await events.get()) is not _DONE:
+                if isinstance(event, Reset) and text:
+                    # The text shown so far is no answer (a policy that moves on after it was
+                    # delivered, goclaw's): its item ends incomplete, and what follows is a new
+                    # item, so that no .done event holds discarded text as the answer's.
+                    for done in _text_done(seq, at, live, "".join(text), "incomplete"):
+                        yield done
+                    at, text = at + 1, []
+                    live = f"msg_{turn_id}_{at}"
+                    continue
                 if not (isinstance(event, TextDelta) and event.text):
                     continue
                 if not text:
                     yield ResponseOutputItemAddedEvent(
                         type="response.output_item.added", sequence_number=seq(),
-                        output_index=0, item=_message(live, "", "in_progress"))
+                        output_index=at, item=_message(live, "", "in_progress"))
                     yield ResponseContentPartAddedEvent(
                         type="response.content_part.added", sequence_number=seq(),
-                        output_index=0, item_id=live, content_index=0,
+                        output_index=at, item_id=live, content_index=0,
                         part=ResponseOutputText(type="output_text", text="", annotations=[]))
                 text.append(event.text)
                 yield ResponseTextDeltaEvent(type="response.output_text.delta",
-                                             sequence_number=seq(), output_index=0,
+                                             sequence_number=seq(), output_index=at,
                                              item_id=live, content_index=0, delta=event.text,
                                              logprobs=[])
         finally:
@@ -710,18 +720,10 @@ class LedgerAgentModel(Model):
         assert task is not None  # unset only when the reader left at response.created
         answer = await self._served(await task, envelope)
         if text:
-            shown = "".join(text)
-            yield ResponseTextDoneEvent(type="response.output_text.done", sequence_number=seq(),
-                                        output_index=0, item_id=live, content_index=0,
-                                        text=shown, logprobs=[])
-            yield ResponseContentPartDoneEvent(
-                type="response.content_part.done", sequence_number=seq(), output_index=0,
-                item_id=live, content_index=0,
-                part=ResponseOutputText(type="output_text", text=shown, annotations=[]))
-            yield ResponseOutputItemDoneEvent(type="response.output_item.done",
-                                              sequence_number=seq(), output_index=0,
-                                              item=_message(live, shown, "completed"))
-        for index, item in enumerate(answer.items, start=1 if text else 0):
+            for done in _text_done(seq, at, live, "".join(text), "completed"):
+                yield done
+            at += 1
+        for index, item in enumerate(answer.items, start=at):
             if isinstance(item, ResponseOutputMessage):
                 continue
             yield ResponseOutputItemAddedEvent(type="response.output_item.added",
@@ -749,6 +751,20 @@ class _Seq:
     def __call__(self) -> int:
         self.n += 1
         return self.n
+
+
+def _text_done(seq: _Seq, at: int, item_id: str, text: str, status: Any) -> list[Any]:
+    """The events that end a streamed text's item ``item_id`` (at output index ``at``)."""
+    return [
+        ResponseTextDoneEvent(type="response.output_text.done", sequence_number=seq(),
+                              output_index=at, item_id=item_id, content_index=0, text=text,
+                              logprobs=[]),
+        ResponseContentPartDoneEvent(
+            type="response.content_part.done", sequence_number=seq(), output_index=at,
+            item_id=item_id, content_index=0,
+            part=ResponseOutputText(type="output_text", text=text, annotations=[])),
+        ResponseOutputItemDoneEvent(type="response.output_item.done", sequence_number=seq(),
+                                    output_index=at, item=_message(item_id, text, status))]
 
 
 def _message(item_id: str, text: str, status: Any) -> ResponseOutputMessage:

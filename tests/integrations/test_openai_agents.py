@@ -290,6 +290,41 @@ def test_runner_run_streamed_sends_responses_events_ending_with_response_complet
     asyncio.run(main())
 
 
+def test_text_a_policy_discarded_mid_stream_never_ends_in_a_completed_item(
+        db_url: str, fake: FakeProvider) -> None:
+    """Under goclaw a stream cut after text moves on to the next route: the text already shown
+    ends as an incomplete item, and every completed item's .done events hold the answer the
+    ledger recorded, not the discarded text before it."""
+    fake.enqueue(Behavior(fault=Fault.STREAM_CUT, text="DISCARDED PARTIAL ANSWER"),
+                 model="primary-model")
+    fake.enqueue(Behavior(text="the real answer"), model="backup-model")
+
+    async def main() -> None:
+        async with AsyncLedger.open(db_url) as led, \
+                led.run("cut", plan=routes(fake, "openai_responses", "anthropic"),
+                        budget=BUDGET, grant=GRANT, policy="goclaw") as run:
+            streamed = Runner.run_streamed(Agent(name="a"), "Hi", run_config=config(run))
+            done: list[Any] = []
+            async for event in streamed.stream_events():
+                if event.type == "raw_response_event" and event.data.type in (
+                        "response.output_text.done", "response.output_item.done"):
+                    done.append(event.data)
+            assert streamed.final_output == "the real answer"
+            texts = [d.text for d in done if d.type == "response.output_text.done"]
+            items = [d.item for d in done if d.type == "response.output_item.done"]
+            assert [i.status for i in items] == ["incomplete", "completed"]
+            assert "DISCARDED" in texts[0] and texts[-1] == "the real answer"
+            assert items[-1].content[0].text == "the real answer"
+            assert len({i.id for i in items}) == 2
+            # What enters the history is the recorded answer: a further run passes.
+            again = await Runner.run(Agent(name="a"), [*streamed.to_input_list(),
+                                                       {"role": "user", "content": "And?"}],
+                                     run_config=config(run))
+            assert again.final_output
+
+    asyncio.run(main())
+
+
 # -- stops, limits, retries ----------------------------------------------------------------------
 
 COSTLY = Price(input_per_mtok=Decimal(0), output_per_mtok=Decimal(1_000_000))
