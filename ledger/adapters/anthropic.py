@@ -78,11 +78,12 @@ from ledger.adapters.contract import (
     media_of,
     optional_str,
     parse_json_event,
-    proposed_call,
     provider_message,
+    refuse_held,
     register_codec,
     reported_usage,
     require_object,
+    take_call,
     unreadable_usage,
     wire_order,
 )
@@ -325,7 +326,7 @@ class AnthropicCodec(Codec):
         # itself (an MCP call, a web search, their results): known before any refusal below.
         ran = any(isinstance(b, dict) and b.get("type") not in _HOSTS_BLOCKS for b in content)
         try:
-            reply = self._reply(obj, content)
+            reply = refuse_held(self._reply(obj, content))
         except MalformedPayload as exc:
             exc.provider_ran |= ran
             raise
@@ -335,7 +336,6 @@ class AnthropicCodec(Codec):
     @staticmethod
     def _reply(obj: dict[str, Any], content: list[Any]) -> Reply:
         text: list[str] = []
-        calls: list[ToolCall] = []
         reply = Reply()
         for j, raw in enumerate(content):
             block = require_object(raw, f"content[{j}]")
@@ -346,18 +346,16 @@ class AnthropicCodec(Codec):
                 name = optional_str(block.get("name"), "tool_use.name")
                 if not name:
                     raise MalformedPayload(f"content[{j}] tool_use has no name")
-                calls.append(proposed_call(
-                    ToolCall(
-                        id=optional_str(block.get("id"), "tool_use.id") or made_up_call_id(),
-                        name=name,
-                        arguments_json=json.dumps(block.get("input") or {}),
-                    ), calls, f"content[{j}]"))
+                take_call(reply, ToolCall(
+                    id=optional_str(block.get("id"), "tool_use.id") or made_up_call_id(),
+                    name=name,
+                    arguments_json=json.dumps(block.get("input") or {}),
+                ), f"content[{j}]")
             elif kind in _THINKING_KEYS:
                 # Reasoning, not answer text: carried back to this route on the next turn.
                 _thinking(reply, block, f"content[{j}]")
             # other block types (server tools' calls and results, ...) are not the host's answer
         reply.text = "".join(text)
-        reply.tool_calls = calls
         reply.usage = _usage(obj.get("usage"))
         reply.model = optional_str(obj.get("model"), "model")
         reply.finish_reason = optional_str(obj.get("stop_reason"), "stop_reason")
@@ -443,7 +441,7 @@ class _AnthropicStream(StreamState):
             index = self._index(data)
             slot = self._tools.pop(index, None)
             if slot is not None:
-                out.append(self._proposal(slot))
+                out.extend(self._proposal(slot))
             thought = self._thinking.pop(index, None)
             if thought is not None:
                 kind0, pieces, signature, redacted = thought
@@ -463,13 +461,13 @@ class _AnthropicStream(StreamState):
         # "ping" and event types added later are ignored, as the API documentation asks.
         return out
 
-    def _proposal(self, slot: list[Any]) -> ToolCallProposal:
+    def _proposal(self, slot: list[Any]) -> list[StreamEvent]:
         tid, name, pieces = slot
         args = "".join(pieces) or "{}"
-        call = proposed_call(ToolCall(id=tid, name=name, arguments_json=args), self.tool_calls,
-                             f"tool_use {tid[:64]!r}")
-        self.tool_calls.append(call)
-        return ToolCallProposal(call)
+        # A refused call is held: the output tokens come with message_delta, after it.
+        call = take_call(self, ToolCall(id=tid, name=name, arguments_json=args),
+                         f"tool_use {tid[:64]!r}")
+        return [] if call is None else [ToolCallProposal(call)]
 
     @staticmethod
     def _index(data: dict[str, Any]) -> int:

@@ -71,7 +71,12 @@ clean end without completion signal    stream_cut                      mid_strea
 event not parsable / wrong shape       malformed_event                 mid_stream (stream),
                                                                        after_headers (body)
 an answer the ledger cannot carry      malformed_event                 after_headers
-  (a Responses custom_tool_call)
+  (a Responses custom_tool_call, a tool
+  call no part can keep, tools proposed
+  to a request that offered none), or a
+  finished stream's last events that do
+  not complete it; refused whole, with
+  the usage the answer reported
 error event inside a stream, after     (none; status 200, body)        mid_stream
   text, a tool call or media began
 error event inside a stream before     (none; status 200, body)        after_headers
@@ -1095,8 +1100,10 @@ class HttpAdapter:
         try:
             reply = call.codec.parse_reply(data)
             # Kept before the checks below: a refusal of the parsed answer is a failure after
-            # whatever the provider ran (invariant 9).
+            # whatever the provider ran (invariant 9), and is posted at the usage the answer
+            # reported, not the whole hold.
             call.provider_ran |= reply.provider_ran
+            call.usage, call.model = reply.usage, reply.model
             offered_calls(reply.tool_calls, call.offers_tools)
         except ProviderErrorPayload as exc:
             call.usage, call.model = exc.usage or call.usage, exc.model or call.model
@@ -1120,10 +1127,14 @@ class HttpAdapter:
                 message=f"response body has not the protocol's shape: {_what(exc)}",
                 evidence=evidence_excerpt(raw, call.secrets, self.evidence_cap_bytes),
             ))
-        return (yield from self._complete(call, reply, Phase.AFTER_HEADERS))
+        return (yield from self._complete(call, reply))
 
-    def _complete(self, call: _Call, reply: Reply, phase: Phase) -> Exchange[AdapterResult]:
-        """The success, unless the answer holds text no caller could store or send on."""
+    def _complete(self, call: _Call, reply: Reply) -> Exchange[AdapterResult]:
+        """The success, unless the answer holds text no caller could store or send on.
+
+        Whole, or a stream that finished: such an answer is refused as a whole body is
+        (phase ``after_headers``), at the usage it reported (``call.usage``).
+        """
         parts = [reply.text] + [f"{c.id}{c.name}{c.arguments_json}" for c in reply.tool_calls]
         try:
             for text in parts:
@@ -1132,7 +1143,7 @@ class HttpAdapter:
             return (yield from self._fail(
                 call,
                 transport=Transport.MALFORMED_EVENT,
-                phase=phase,
+                phase=Phase.AFTER_HEADERS,
                 message="the answer holds unpaired surrogate escapes (\\ud800-\\udfff), which "
                 "are not text",
             ))
@@ -1177,9 +1188,6 @@ class HttpAdapter:
                     return None  # anything after the terminator is not part of the answer
                 try:
                     out = state.feed(ev)
-                    # Before any proposal is delivered: a refused one never reaches the caller.
-                    offered_calls([e.call for e in out if isinstance(e, ToolCallProposal)],
-                                  call.offers_tools)
                 except ProviderErrorPayload as exc:
                     self._absorb(call, state)
                     call.provider_ran |= exc.provider_ran
@@ -1215,6 +1223,17 @@ class HttpAdapter:
                         message=f"malformed {ev.event[:64]!r} event: {_what(exc)}",
                         evidence=evidence_excerpt(ev.data, call.secrets, self.evidence_cap_bytes),
                     ))
+                if state.refused is None:
+                    # Before any proposal is delivered: a refused one never reaches the caller.
+                    try:
+                        offered_calls([e.call for e in out if isinstance(e, ToolCallProposal)],
+                                      call.offers_tools)
+                    except MalformedPayload as exc:
+                        state.refused = exc
+                if state.refused is not None:
+                    # A refused answer (take_call) is read to its end for the usage it reports
+                    # (refused then, as a whole body is), and none of it reaches the caller.
+                    out = []
                 if state.begun:
                     call.progress.content()
                 for item in out:
@@ -1296,15 +1315,22 @@ class HttpAdapter:
             offered_calls(reply.tool_calls, call.offers_tools)
         except _BAD_PAYLOAD as exc:
             self._absorb(call, state)
+            # The provider finished the answer (its terminator or completion signal came):
+            # refused whole, as the same body would be, and posted at the usage it reported.
+            # A verdict, not a stream that broke off with its execution unknown.
+            what = ("the streamed answer is refused" if exc is state.refused
+                    else "the stream's last events do not complete the answer")
             return (yield from self._fail(
                 call,
                 transport=Transport.MALFORMED_EVENT,
-                phase=Phase.MID_STREAM,
-                message=f"the stream's last events do not complete the answer: {_what(exc)}",
+                phase=Phase.AFTER_HEADERS,
+                message=f"{what}: {_what(exc)}",
             ))
         for item in final:
             yield from self._deliver(call, item)
-        return (yield from self._complete(call, reply, Phase.MID_STREAM))
+        # Finished too: an answer no caller could store is refused as the body would be.
+        self._absorb(call, state)
+        return (yield from self._complete(call, reply))
 
     @staticmethod
     def _absorb(call: _Call, state: StreamState) -> None:

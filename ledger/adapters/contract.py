@@ -210,6 +210,10 @@ class Reply:
     # The provider ran something of its own for the request (a hosted tool): a failure found
     # after parsing (an answer no caller could store) is never sent again either.
     provider_ran: bool = False
+    # The first refusal of a tool call no part can keep (take_call), held while the rest of
+    # the answer is read: its usage may come after the call (and in a stream, does). The
+    # answer is refused whole when complete (refuse_held), never handed on.
+    refused: MalformedPayload | None = None
 
 
 class MalformedPayload(ValueError):
@@ -220,7 +224,8 @@ class MalformedPayload(ValueError):
     ``usage`` and ``model`` are what the answer reported (it was run, and may be billed).
     ``final``: in a stream, raised on the answer's own completion, so the whole answer is
     known and refused as the same whole body is (phase ``after_headers``), not as a stream
-    that broke off (``mid_stream``, whose execution is unknown).
+    that broke off (``mid_stream``, whose execution is unknown). A tool call no part can keep
+    is refused so (:func:`take_call`, :func:`refuse_held`), with the answer's usage.
     ``provider_ran``: the refused answer shows the provider already ran something on the
     request's behalf (:attr:`StreamState.provider_ran`), so it is never sent again.
     """
@@ -271,6 +276,43 @@ def proposed_call(call: ToolCall, calls: Sequence[ToolCall], where: str) -> Tool
     if tool_link_problem("tool_call_id", call.id) is not None:
         return replace(call, id=made_up_call_id(), provider_id=call.id)
     return call
+
+
+def take_call(into: Reply | StreamState, call: ToolCall, where: str) -> ToolCall | None:
+    """``call`` checked (:func:`proposed_call`) and added to ``into.tool_calls``.
+
+    ``None`` when the answer is refused: a call no part can keep is held in ``into.refused``
+    rather than raised (the first one; no later call is checked or added), and the rest of the
+    answer is read on. Its usage may come after the call (a stream reports it at the end), and
+    the provider ran the whole answer: :func:`refuse_held` then refuses it with that usage, so
+    the failed Attempt is posted at the usage's cost rather than the whole hold, and a stream
+    is refused on its completion, as the whole body is (``final``), not as one that broke off.
+    """
+    if into.refused is not None:
+        return None
+    try:
+        taken = proposed_call(call, into.tool_calls, where)
+    except MalformedPayload as exc:
+        into.refused = exc
+        return None
+    into.tool_calls.append(taken)
+    return taken
+
+
+def refuse_held(reply: Reply) -> Reply:
+    """``reply``, unless it holds a refusal (:func:`take_call`): that is raised.
+
+    With the usage and model the answer reported, as the refusal of the whole, complete
+    answer (``final``): for a body its parsing is done, for a stream it ended.
+    """
+    exc = reply.refused
+    if exc is None:
+        return reply
+    exc.usage = exc.usage or reply.usage
+    exc.model = exc.model or reply.model
+    exc.provider_ran |= reply.provider_ran
+    exc.final = True
+    raise exc
 
 
 def offered_calls(calls: Sequence[ToolCall], offers_tools: bool) -> None:
@@ -456,6 +498,9 @@ class StreamState(ABC):
         # A failure after it is observed with ``tool_started``: sending the request again, on
         # any route, would run that tool again (invariant 9).
         self.provider_ran = False
+        # A tool call no part can keep (take_call): nothing more is delivered, and the answer
+        # is refused when it completes (reply), with the usage it reported by then.
+        self.refused: MalformedPayload | None = None
 
     @property
     def begun(self) -> bool:
@@ -477,8 +522,13 @@ class StreamState(ABC):
         return []
 
     def reply(self) -> Reply:
-        """What the stream accumulated, as the :class:`Reply` a whole body would have parsed to."""
-        return Reply(
+        """What the stream accumulated, as the :class:`Reply` a whole body would have parsed to.
+
+        Raises:
+            MalformedPayload: the answer holds a refusal (:func:`take_call`), raised as the
+                whole body's would be (:func:`refuse_held`), with the usage reported.
+        """
+        return refuse_held(Reply(
             text="".join(self.text_parts),
             tool_calls=list(self.tool_calls),
             usage=self.usage,
@@ -487,7 +537,8 @@ class StreamState(ABC):
             reasoning=list(self.reasoning),
             media=list(self.media),
             notes=list(self.notes),
-        )
+            refused=self.refused,
+        ))
 
 
 def _int_or_infinity(digits: str) -> int | float:

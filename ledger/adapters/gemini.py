@@ -94,11 +94,12 @@ from ledger.adapters.contract import (
     media_of,
     optional_str,
     parse_json_event,
-    proposed_call,
     provider_message,
+    refuse_held,
     register_codec,
     reported_usage,
     require_object,
+    take_call,
     take_output_media,
     tool_files_note,
     unreadable_usage,
@@ -373,6 +374,7 @@ class GeminiCodec(Codec):
         chunk = _Chunk(obj)
         try:
             chunk.apply(reply, [], whole=True)
+            refuse_held(reply)
         except (MalformedPayload, ProviderErrorPayload) as exc:
             # Refused after a tool Gemini ran (executed code): never sent again (invariant 9).
             exc.provider_ran |= chunk.provider_ran
@@ -458,24 +460,26 @@ class _Chunk:
                 name = optional_str(fc.get("name"), "functionCall.name")
                 if not name:
                     raise MalformedPayload("functionCall has no name")
-                call = proposed_call(ToolCall(
+                index = len(reply.tool_calls)
+                # A refused call is held: the usageMetadata may come in a later chunk.
+                call = take_call(reply, ToolCall(
                     id=optional_str(fc.get("id"), "functionCall.id")
                     or made_up_call_id(),
                     name=name,
                     arguments_json=json.dumps(fc.get("args") or {}),
-                ), reply.tool_calls, "functionCall")
+                ), "functionCall")
                 content_seen = True
-                if signature:
-                    reply.reasoning.append({"part": "functionCall",
-                                            "index": len(reply.tool_calls), "name": name,
-                                            _SIGNATURE: signature})
-                reply.tool_calls.append(call)
-                out.append(ToolCallProposal(call))
+                if call is not None:
+                    if signature:
+                        reply.reasoning.append({"part": "functionCall", "index": index,
+                                                "name": name, _SIGNATURE: signature})
+                    out.append(ToolCallProposal(call))
         finish = optional_str(cand.get("finishReason"), "finishReason")
         if finish:
             reply.finish_reason = finish
             reason = finish.upper()
-            if reason not in _ANSWERED and not (reply.text or reply.tool_calls or reply.media):
+            if reason not in _ANSWERED and not (reply.text or reply.tool_calls or reply.media
+                                                or reply.refused):
                 # Nothing of an answer, and the provider says why: it refused this request's
                 # content, as a blocked prompt is refused, or the model failed to answer it.
                 # An empty success would count for the route's health and hand the caller
@@ -552,6 +556,7 @@ class _GeminiStream(StreamState):
             self.completed = True
         self.text_parts = [r.text]
         self.tool_calls = list(r.tool_calls)
+        self.refused = r.refused
         # A streamed image or document arrives whole, in one chunk's part.
         self.media = list(r.media)
         self.reasoning = list(r.reasoning)

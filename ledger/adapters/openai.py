@@ -76,11 +76,12 @@ from ledger.adapters.contract import (
     media_of,
     optional_str,
     parse_json_event,
-    proposed_call,
     provider_message,
+    refuse_held,
     register_codec,
     reported_usage,
     require_object,
+    take_call,
     take_output_media,
     tool_files_note,
     unreadable_usage,
@@ -303,7 +304,15 @@ class OpenAICodec(Codec):
             raise MalformedPayload("choices is missing or empty")
         choice = require_object(choices[0], "choices[0]")
         message = require_object(choice.get("message"), "choices[0].message")
-        calls: list[ToolCall] = []
+        reply = Reply(
+            # A refusal (content null, refusal the model's words) is the answer's text, as
+            # the Responses codec reads its refusal parts.
+            text=_content_text(message.get("content"), "message.content")
+            + (optional_str(message.get("refusal"), "message.refusal") or ""),
+            usage=_usage(obj.get("usage")),
+            model=optional_str(obj.get("model"), "model"),
+            finish_reason=optional_str(choice.get("finish_reason"), "finish_reason"),
+        )
         raw_calls = message.get("tool_calls") or []
         if not isinstance(raw_calls, list):
             raise MalformedPayload("message.tool_calls is not a list")
@@ -314,24 +323,13 @@ class OpenAICodec(Codec):
             if not name:
                 raise MalformedPayload(f"tool_calls[{j}] has no function name")
             args = fn.get("arguments")
-            calls.append(proposed_call(
-                ToolCall(
-                    id=optional_str(c.get("id"), "tool_call.id") or made_up_call_id(),
-                    name=name,
-                    arguments_json=args if isinstance(args, str) else json.dumps(args or {}),
-                ), calls, f"tool_calls[{j}]"))
-        reply = Reply(
-            # A refusal (content null, refusal the model's words) is the answer's text, as
-            # the Responses codec reads its refusal parts.
-            text=_content_text(message.get("content"), "message.content")
-            + (optional_str(message.get("refusal"), "message.refusal") or ""),
-            tool_calls=calls,
-            usage=_usage(obj.get("usage")),
-            model=optional_str(obj.get("model"), "model"),
-            finish_reason=optional_str(choice.get("finish_reason"), "finish_reason"),
-        )
+            take_call(reply, ToolCall(
+                id=optional_str(c.get("id"), "tool_call.id") or made_up_call_id(),
+                name=name,
+                arguments_json=args if isinstance(args, str) else json.dumps(args or {}),
+            ), f"tool_calls[{j}]")
         _take_images(reply, message.get("images"), "choices[0].message.images")
-        return reply
+        return refuse_held(reply)
 
     def new_stream(self) -> StreamState:
         """An accumulator of ``chat.completion.chunk`` events, ended by ``data: [DONE]``."""
@@ -423,12 +421,12 @@ class _OpenAIStream(StreamState):
             cid, name, pieces = self._calls[ti]
             if not name:
                 raise MalformedPayload(f"tool call {ti} ended without a function name")
-            call = proposed_call(
-                ToolCall(id=cid or made_up_call_id(), name=name, arguments_json="".join(pieces)),
-                self.tool_calls, f"tool call {ti}")
             self._emitted.add(ti)
-            self.tool_calls.append(call)
-            out.append(ToolCallProposal(call))
+            # Refused calls are held: the usage chunk comes after the finish_reason.
+            call = take_call(self, ToolCall(id=cid or made_up_call_id(), name=name,
+                                            arguments_json="".join(pieces)), f"tool call {ti}")
+            if call is not None:
+                out.append(ToolCallProposal(call))
         return out
 
     def end(self) -> list[StreamEvent]:

@@ -99,11 +99,12 @@ from ledger.adapters.contract import (
     media_of,
     optional_str,
     parse_json_event,
-    proposed_call,
     provider_message,
+    refuse_held,
     register_codec,
     reported_usage,
     require_object,
+    take_call,
     take_output_media,
     unreadable_usage,
     wire_order,
@@ -405,7 +406,7 @@ class OpenAIResponsesCodec(Codec):
         if not isinstance(output, list):
             raise MalformedPayload("output is missing or not a list")
         try:
-            reply = self._output(obj, output)
+            reply = refuse_held(self._output(obj, output))
         except MalformedPayload as exc:
             exc.provider_ran |= _ran_any(output)
             raise
@@ -423,8 +424,7 @@ class OpenAIResponsesCodec(Codec):
             if kind == "message":
                 text.append(_message_text(item, j))
             elif kind == "function_call":
-                reply.tool_calls.append(
-                    proposed_call(_call_of(item, j), reply.tool_calls, f"output[{j}]"))
+                take_call(reply, _call_of(item, j), f"output[{j}]")
             elif kind == "custom_tool_call":
                 raise _custom_call(item, f"output[{j}]", usage=reply.usage, model=reply.model)
             elif kind == "reasoning":
@@ -578,13 +578,13 @@ class _ResponsesStream(StreamState):
         call_id, name, pieces, final = self._calls[iid]
         if not name:
             raise MalformedPayload(f"function call {iid} ended without a name")
-        call = proposed_call(
-            ToolCall(id=call_id or iid, name=name,
-                     arguments_json=final if final is not None else "".join(pieces)),
-            self.tool_calls, f"function call {iid}")
         self._done.add(iid)
-        self.tool_calls.append(call)
-        return [ToolCallProposal(call)]
+        # A refused call is held: the usage comes with response.completed.
+        call = take_call(self, ToolCall(
+            id=call_id or iid, name=name,
+            arguments_json=final if final is not None else "".join(pieces)),
+            f"function call {iid}")
+        return [] if call is None else [ToolCallProposal(call)]
 
     def _flush(self) -> list[StreamEvent]:
         out: list[StreamEvent] = []

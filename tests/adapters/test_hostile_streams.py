@@ -25,6 +25,7 @@ from hypothesis import strategies as st
 from ledger.adapters import AdapterResult, ClientRegistry, StaticSecretProvider, SyncAdapter
 from ledger.decide.classify import classify
 from ledger.domain.envelope import Envelope, Part
+from ledger.domain.facts import Phase, Transport
 from ledger.policy.load import PRESETS, preset
 from ledger.policy.model import StreamingPolicy
 from ledger.testing import Behavior, FakeProvider, Fault
@@ -392,6 +393,27 @@ def test_invalid_utf8_inside_the_answer_fails(
 ) -> None:
     raw = response(protocol, stream, Framing(http="length"))
     assert_failure(call(server, protocol, stream, raw.replace("WÖRLD".encode(), b"W\xd6RLD")))
+
+
+@pytest.mark.parametrize(("protocol", "stream"), MODES)
+def test_an_answer_of_unpaired_surrogates_is_refused_whole_at_the_usage_it_reported(
+    server: tuple[FakeProvider, SyncAdapter], protocol: str, stream: bool
+) -> None:
+    """Escaped lone surrogates parse, but are no text a caller could store: the answer is
+    refused once complete, streamed or not, as the provider's verdict on it (never a stream
+    that broke off), at the usage it reported rather than the whole hold."""
+    f = Framing(http="length")
+    body = (sse_text(protocol, f) if stream else whole_body(protocol)).replace(
+        "WÖRLD".encode(), b"W\\ud800RLD")
+    ctype = "text/event-stream" if stream else "application/json"
+    result = call(server, protocol, stream, frame(200, [("content-type", ctype)], body, f))
+    obs = result.observation
+    assert not result.ok and obs is not None
+    assert (obs.transport, obs.phase) == (Transport.MALFORMED_EVENT, Phase.AFTER_HEADERS)
+    assert "unpaired surrogate" in (obs.message or "")
+    assert result.usage is not None
+    assert (result.usage.prompt_tokens, result.usage.completion_tokens) == (3, 5)
+    assert result.cost == make_route("", protocol).cost(3, 5)
 
 
 @pytest.mark.parametrize(("protocol", "stream"), MODES)

@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 
 from ledger.adapters import HttpAdapter, Reset, StreamEvent, TextDelta, ToolCallProposal
-from ledger.adapters.contract import MAX_TOOL_CALLS
+from ledger.adapters.contract import MAX_TOOL_CALLS, Usage
 from ledger.adapters.runner import output_parts
 from ledger.domain.envelope import Envelope, Part, ToolSpec
 from ledger.domain.facts import Phase, Transport
@@ -82,12 +82,14 @@ def _body(protocol: str, n: int, args: str = "{}") -> bytes:
     return json.dumps(obj).encode()
 
 
-def _assert_malformed(result: Any, events: list[StreamEvent], *, stream: bool,
-                      after_text: bool) -> None:
+def _assert_malformed(result: Any, events: list[StreamEvent], *, after_text: bool,
+                      broke_off: bool = False) -> None:
     obs = result.observation
     assert not result.ok and result.tool_calls == (), obs
     assert obs.transport is Transport.MALFORMED_EVENT
-    assert obs.phase is (Phase.MID_STREAM if stream else Phase.AFTER_HEADERS)
+    # Refused whole once the provider finished the answer, streamed or not; only a stream
+    # refused while it was still arriving (``broke_off``) is left mid-stream.
+    assert obs.phase is (Phase.MID_STREAM if broke_off else Phase.AFTER_HEADERS)
     # As for any malformed answer: text the caller was shown is effective output, and it is
     # told (Reset) that what it showed is not an answer.
     assert result.effective_output is after_text
@@ -103,7 +105,7 @@ async def test_a_tool_call_whose_arguments_are_not_a_json_object_is_a_malformed_
     # The fake streams its text first, then the call with these arguments (a JSON array).
     fake.enqueue(Behavior(tool_call=("search", ["not", "an", "object"])))  # type: ignore[arg-type]
     result, events = await _send(adapter, fake, protocol, stream)
-    _assert_malformed(result, events, stream=stream, after_text=stream)
+    _assert_malformed(result, events, after_text=stream)
     assert "not a JSON object" in result.observation.message
     if stream:
         assert any(isinstance(e, TextDelta) for e in events)
@@ -133,7 +135,7 @@ async def test_tool_call_arguments_that_are_not_json_are_a_malformed_answer(
         raw: bytes) -> None:
     fake.enqueue(_raw(raw, stream=stream))
     result, events = await _send(adapter, fake, protocol, stream)
-    _assert_malformed(result, events, stream=stream, after_text=False)
+    _assert_malformed(result, events, after_text=False)
     assert "'not json {'" in result.observation.message
 
 
@@ -145,7 +147,7 @@ async def test_a_tool_call_whose_arguments_no_request_can_carry_back_is_a_malfor
     them, so the next turn would refuse the call's part (the same rule, json_object)."""
     fake.enqueue(_raw(_body(protocol, 1, args), stream=False))
     result, events = await _send(adapter, fake, protocol, False)
-    _assert_malformed(result, events, stream=False, after_text=False)
+    _assert_malformed(result, events, after_text=False)
     assert "a request can carry back" in result.observation.message
 
 
@@ -154,7 +156,7 @@ async def test_an_answer_proposing_more_than_max_tool_calls_is_a_malformed_answe
         adapter: HttpAdapter, fake: FakeProvider, protocol: str) -> None:
     fake.enqueue(_raw(_body(protocol, MAX_TOOL_CALLS + 1), stream=False))
     result, events = await _send(adapter, fake, protocol, False)
-    _assert_malformed(result, events, stream=False, after_text=False)
+    _assert_malformed(result, events, after_text=False)
     assert f"more than {MAX_TOOL_CALLS} tool calls" in result.observation.message
 
 
@@ -168,7 +170,7 @@ async def test_a_stream_proposing_more_than_max_tool_calls_is_a_malformed_answer
     chunks.append({"choices": [{"index": 0, "delta": {}, "finish_reason": "tool_calls"}]})
     fake.enqueue(_raw(_sse(*chunks) + b"data: [DONE]\n\n", stream=True))
     result, events = await _send(adapter, fake, "openai", True)
-    _assert_malformed(result, events, stream=True, after_text=False)
+    _assert_malformed(result, events, after_text=False, broke_off=True)
     assert f"more than {MAX_TOOL_CALLS} tool calls" in result.observation.message
 
 
@@ -183,13 +185,15 @@ async def test_an_answer_proposing_max_tool_calls_is_a_success(
 
 
 def _streamed(protocol: str) -> bytes:
-    """A stream of text, then one call of ``search`` with ``{}``, then the protocol's end."""
+    """A stream of text, then one call of ``search`` with ``{}``, then the protocol's end
+    (with 3 prompt and 1 completion tokens reported after the call, as each protocol does)."""
     if protocol == "openai":
         return _sse(
             {"choices": [{"index": 0, "delta": {"content": "Let me look."}}]},
             {"choices": [{"index": 0, "delta": {"tool_calls": [{"index": 0, "id": "c0",
              "function": {"name": "search", "arguments": "{}"}}]}}]},
             {"choices": [{"index": 0, "delta": {}, "finish_reason": "tool_calls"}]},
+            {"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 1}},
         ) + b"data: [DONE]\n\n"
     if protocol == "openai_responses":
         return _sse(
@@ -202,7 +206,8 @@ def _streamed(protocol: str) -> bytes:
                 "usage": {"input_tokens": 3, "output_tokens": 1, "total_tokens": 4}}})
     if protocol == "anthropic":
         return _sse(
-            {"type": "message_start", "message": {"model": "m1", "usage": {"input_tokens": 3}}},
+            {"type": "message_start", "message": {"model": "m1", "usage": {
+                "input_tokens": 3, "output_tokens": 0}}},
             {"type": "content_block_start", "index": 0,
              "content_block": {"type": "text", "text": ""}},
             {"type": "content_block_delta", "index": 0,
@@ -213,7 +218,8 @@ def _streamed(protocol: str) -> bytes:
             {"type": "content_block_delta", "index": 1,
              "delta": {"type": "input_json_delta", "partial_json": "{}"}},
             {"type": "content_block_stop", "index": 1},
-            {"type": "message_delta", "delta": {"stop_reason": "tool_use"}},
+            {"type": "message_delta", "delta": {"stop_reason": "tool_use"},
+             "usage": {"output_tokens": 1}},
             {"type": "message_stop"})
     return _sse(
         {"candidates": [{"content": {"role": "model", "parts": [{"text": "Let me look."}]}}]},
@@ -236,8 +242,11 @@ async def test_an_answer_proposing_tool_calls_to_a_request_that_offered_no_tools
     assert offered.ok and [c.name for c in offered.tool_calls] == ["search"], offered
     fake.enqueue(_answer(protocol, stream))
     result, events = await _send(adapter, fake, protocol, stream, tools=[])
-    _assert_malformed(result, events, stream=stream, after_text=stream)
+    _assert_malformed(result, events, after_text=stream)
     assert "tool call 'search' but the request offered no tools" in result.observation.message
+    # Refused once read whole: with the usage the answer reported (a stream's after the call).
+    assert result.usage == Usage(prompt_tokens=3, completion_tokens=1)
+    assert result.cost == make_route("", protocol).cost(3, 1)
 
 
 @pytest.mark.parametrize(("protocol", "params"), [
@@ -303,5 +312,5 @@ async def test_a_tool_name_no_part_can_keep_is_a_malformed_answer(
     """The host runs the tool the name names: it cannot be made up as an id is."""
     fake.enqueue(_with_call(protocol, stream, name=name))
     result, events = await _send(adapter, fake, protocol, stream)
-    _assert_malformed(result, events, stream=stream, after_text=stream)
+    _assert_malformed(result, events, after_text=stream)
     assert f"the name of tool call {name[:64]!r}" in result.observation.message

@@ -7,9 +7,11 @@ answer (HTTP 200, with usage) whose call has an id over 200 characters, holding 
 or a NUL, or blank, is served: the adapter gives the call an id of its own (``call_`` and 24
 hex digits) and the Attempt's ``tool_call_id`` event keeps the provider's; the next turn sends
 the conversation back with the made-up id, and the provider takes it. A name no part can keep
-cannot be replaced (the host runs the tool it names): the answer is the provider's malformed
-answer, ``failed`` with category ``format``, posted as an accepted failure. Neither is
-``unknown`` with a kept hold, nor an ``InvalidArgument`` the host did not cause. Every protocol,
+cannot be replaced (the host runs the tool it names), nor can arguments that are not a JSON
+object: the answer is the provider's malformed answer, ``failed`` with category ``format``,
+read whole first, so posted at the usage it reported (a stream's comes after the call), and
+the turn stops as after the same whole body (phase ``after_headers``), streamed or not. Neither
+is ``unknown`` with a kept hold, nor an ``InvalidArgument`` the host did not cause. Every protocol,
 whole and streamed, real HTTP over loopback through the fake provider, a Run session as a host
 drives it, both backends.
 """
@@ -27,7 +29,7 @@ import pytest
 from ledger.adapters import StaticSecretProvider
 from ledger.api.facade import Ledger
 from ledger.domain.envelope import Envelope, Part, ToolSpec
-from ledger.domain.facts import Category, WireProtocol
+from ledger.domain.facts import Category, Phase, WireProtocol
 from ledger.domain.records import AttemptRecord, AttemptState, DebitState, RunStatus
 from ledger.domain.values import Budget, Grant, Price, Profile, Route
 from ledger.errors import FailoverExhausted
@@ -47,8 +49,12 @@ ARGS = {"q": "10-K"}
 MADE_UP = re.compile(r"call_[0-9a-f]{24}")
 # Ids a part cannot keep: too long, a line break and a NUL, blank.
 BAD_IDS = {"long": "i" * 201, "control": "id\n\x00x", "blank": "   "}
-# Names a part cannot keep: a NUL, too long.
-BAD_NAMES = {"nul": "sea\x00rch", "long": "s" * 201}
+# Calls no part can keep, as (name, arguments, what the failure says): a name holding a NUL,
+# a name too long, arguments that are not a JSON object.
+REFUSED: dict[str, tuple[str, Any, str]] = {
+    "nul": ("sea\x00rch", ARGS, "the name of tool call"),
+    "long": ("s" * 201, ARGS, "the name of tool call"),
+    "arguments": ("search", ["10-K"], "are not a JSON object")}
 
 
 @pytest.fixture(scope="module")
@@ -65,8 +71,8 @@ def _plan(fake: FakeProvider, protocol: str) -> list[Route]:
             for rid, model in (("primary", "m-a"), ("backup", "m-b"))]
 
 
-def _whole(protocol: str, call_id: str, name: str) -> bytes:
-    """A complete answer of ``protocol`` calling ``name`` with ``ARGS`` under ``call_id``,
+def _whole(protocol: str, call_id: str, name: str, args: Any = ARGS) -> bytes:
+    """A complete answer of ``protocol`` calling ``name`` with ``args`` under ``call_id``,
     reporting 3 prompt and 5 completion tokens."""
     if protocol == "openai":
         obj: dict[str, Any] = {
@@ -74,27 +80,27 @@ def _whole(protocol: str, call_id: str, name: str) -> bytes:
             "choices": [{"index": 0, "finish_reason": "tool_calls", "message": {
                 "role": "assistant", "content": None, "tool_calls": [{
                     "id": call_id, "type": "function",
-                    "function": {"name": name, "arguments": json.dumps(ARGS)}}]}}],
+                    "function": {"name": name, "arguments": json.dumps(args)}}]}}],
             "usage": {"prompt_tokens": 3, "completion_tokens": 5, "total_tokens": 8}}
     elif protocol == "openai_responses":
         obj = {"id": "resp_1", "object": "response", "status": "completed", "model": "m-a",
                "output": [{"type": "function_call", "id": "fc_1", "call_id": call_id,
-                           "name": name, "arguments": json.dumps(ARGS)}],
+                           "name": name, "arguments": json.dumps(args)}],
                "usage": {"input_tokens": 3, "output_tokens": 5, "total_tokens": 8}}
     elif protocol == "anthropic":
         obj = {"id": "msg_1", "type": "message", "role": "assistant", "model": "m-a",
                "stop_reason": "tool_use",
-               "content": [{"type": "tool_use", "id": call_id, "name": name, "input": ARGS}],
+               "content": [{"type": "tool_use", "id": call_id, "name": name, "input": args}],
                "usage": {"input_tokens": 3, "output_tokens": 5}}
     else:
         obj = {"candidates": [{"content": {"role": "model", "parts": [
-            {"functionCall": {"id": call_id, "name": name, "args": ARGS}}]},
+            {"functionCall": {"id": call_id, "name": name, "args": args}}]},
             "finishReason": "STOP", "index": 0}], "modelVersion": "m-a",
             "usageMetadata": {"promptTokenCount": 3, "candidatesTokenCount": 5}}
     return http(json.dumps(obj).encode(), "application/json")
 
 
-def _stream(protocol: str, call_id: str, name: str) -> bytes:
+def _stream(protocol: str, call_id: str, name: str, args: Any = ARGS) -> bytes:
     """The same answer streamed, as ``protocol`` frames a tool call."""
     events: list[tuple[str | None, dict[str, Any]]] = []
     if protocol == "openai":
@@ -105,13 +111,13 @@ def _stream(protocol: str, call_id: str, name: str) -> bytes:
                       "index": 0, "id": call_id, "type": "function",
                       "function": {"name": name, "arguments": ""}}]})),
                   (None, chunk({"tool_calls": [{"index": 0, "function": {
-                      "arguments": json.dumps(ARGS)}}]})),
+                      "arguments": json.dumps(args)}}]})),
                   (None, chunk({}, "tool_calls")),
                   (None, {"id": "c1", "choices": [], "model": "m-a",
                           "usage": {"prompt_tokens": 3, "completion_tokens": 5}})]
     elif protocol == "openai_responses":
         item = {"type": "function_call", "id": "fc_1", "call_id": call_id, "name": name,
-                "arguments": json.dumps(ARGS)}
+                "arguments": json.dumps(args)}
         events = [("response.output_item.done", {"type": "response.output_item.done",
                                                   "output_index": 0, "item": item}),
                   ("response.completed", {"type": "response.completed", "response": {
@@ -126,14 +132,14 @@ def _stream(protocol: str, call_id: str, name: str) -> bytes:
                                            "content_block": {"type": "tool_use", "id": call_id,
                                                              "name": name, "input": {}}}),
                   ("content_block_delta", {"type": "content_block_delta", "index": 0, "delta": {
-                      "type": "input_json_delta", "partial_json": json.dumps(ARGS)}}),
+                      "type": "input_json_delta", "partial_json": json.dumps(args)}}),
                   ("content_block_stop", {"type": "content_block_stop", "index": 0}),
                   ("message_delta", {"type": "message_delta", "usage": {"output_tokens": 5},
                                      "delta": {"stop_reason": "tool_use"}}),
                   ("message_stop", {"type": "message_stop"})]
     else:
         events = [(None, {"candidates": [{"content": {"role": "model", "parts": [
-            {"functionCall": {"id": call_id, "name": name, "args": ARGS}}]},
+            {"functionCall": {"id": call_id, "name": name, "args": args}}]},
             "finishReason": "STOP", "index": 0}], "modelVersion": "m-a",
             "usageMetadata": {"promptTokenCount": 3, "candidatesTokenCount": 5}})]
     body = "".join((f"event: {ev}\n" if ev else "") + f"data: {json.dumps(data)}\n\n"
@@ -143,8 +149,9 @@ def _stream(protocol: str, call_id: str, name: str) -> bytes:
     return http(body.encode(), "text/event-stream")
 
 
-def _answer(protocol: str, stream: bool, call_id: str, name: str = "search") -> bytes:
-    return (_stream if stream else _whole)(protocol, call_id, name)
+def _answer(protocol: str, stream: bool, call_id: str, name: str = "search",
+            args: Any = ARGS) -> bytes:
+    return (_stream if stream else _whole)(protocol, call_id, name, args)
 
 
 def _session(led: Ledger, fake: FakeProvider, protocol: str) -> Any:
@@ -225,22 +232,31 @@ def test_a_provider_tool_call_id_no_part_can_keep_is_replaced_and_the_answer_ser
 
 @pytest.mark.parametrize("protocol", PROTOCOLS)
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
-@pytest.mark.parametrize("bad", list(BAD_NAMES), ids=list(BAD_NAMES))
-def test_a_provider_tool_name_no_part_can_keep_is_a_format_failure_never_unknown(
+@pytest.mark.parametrize("bad", list(REFUSED), ids=list(REFUSED))
+def test_a_refused_tool_call_fails_format_at_its_reported_cost_and_stops_as_that_failure(
         db_url: str, fake: FakeProvider, protocol: str, stream: bool, bad: str) -> None:
+    name, args, said = REFUSED[bad]
     fake.clear()
-    fake.enqueue(Behavior(fault=Fault.RAW, raw=(_answer(protocol, stream, "call_1",
-                                                        BAD_NAMES[bad]),)), model="m-a")
+    fake.enqueue(Behavior(fault=Fault.RAW, raw=(_answer(protocol, stream, "call_1", name,
+                                                        args),)), model="m-a")
     with Ledger.open(db_url) as led:
-        with _session(led, fake, protocol) as run, pytest.raises(FailoverExhausted):
+        with _session(led, fake, protocol) as run, pytest.raises(FailoverExhausted) as stopped:
             run.turn(Envelope(parts=[Part(content="Search the 10-K.")], tools=TOOLS,
                               stream=stream, max_output_tokens=16), reserve=HOLD)
         [att] = led.timeline(RUN)
         assert att.fact is not None and att.fact.transport is not None
         assert (att.state, att.category, att.http_status, att.fact.transport.value) == (
             AttemptState.FAILED, Category.FORMAT.value, 200, "malformed_event")
-        assert "the name of tool call" in att.fact.message
-        # An accepted failure: posted at the cost it reported by then, else the whole hold.
-        _settled_books(led, att, HOLD if att.cost is None else att.cost)
+        assert said in att.fact.message
+        # The answer is read whole before it is refused (a stream's usage comes after the
+        # call): posted at the usage it reported, priced, never the whole hold.
+        assert (att.prompt_tokens, att.completion_tokens) == (3, 5)
+        assert att.cost == PRICE.cost(3, 5) < HOLD
+        _settled_books(led, att, PRICE.cost(3, 5))
+        # Refused once the provider finished, streamed or not: the provider's verdict, so the
+        # turn stops as after the same whole body, never as if the execution were unknown.
+        assert att.fact.phase is Phase.AFTER_HEADERS
+        [stop] = led.events(RUN, ["stop"])
+        assert stopped.value.reason == stop.data["reason"] == "not_eligible_failure"
         assert led.events(RUN, ["tool_call_id"]) == []
     assert [r.model for r in fake.requests] == ["m-a"]
