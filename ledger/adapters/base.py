@@ -1223,13 +1223,8 @@ class HttpAdapter:
                         message=f"malformed {ev.event[:64]!r} event: {_what(exc)}",
                         evidence=evidence_excerpt(ev.data, call.secrets, self.evidence_cap_bytes),
                     ))
-                if state.refused is None:
-                    # Before any proposal is delivered: a refused one never reaches the caller.
-                    try:
-                        offered_calls([e.call for e in out if isinstance(e, ToolCallProposal)],
-                                      call.offers_tools)
-                    except MalformedPayload as exc:
-                        state.refused = exc
+                # Before any proposal is delivered: a refused one never reaches the caller.
+                self._hold_offered(call, state, out)
                 if state.refused is not None:
                     # A refused answer (take_call) is read to its end for the usage it reports
                     # (refused then, as a whole body is), and none of it reaches the caller.
@@ -1310,6 +1305,7 @@ class HttpAdapter:
             ))
         try:
             final = state.end()
+            self._hold_offered(call, state, final)
             reply = state.reply()
             call.provider_ran |= state.provider_ran or reply.provider_ran
             offered_calls(reply.tool_calls, call.offers_tools)
@@ -1331,6 +1327,21 @@ class HttpAdapter:
         # Finished too: an answer no caller could store is refused as the body would be.
         self._absorb(call, state)
         return (yield from self._complete(call, reply))
+
+    @staticmethod
+    def _hold_offered(call: _Call, state: StreamState, events: list[StreamEvent]) -> None:
+        """Hold in ``state.refused`` the refusal of proposals no offered tool asked for.
+
+        Held as a codec holds a call no part can keep
+        (:func:`~ledger.adapters.contract.take_call`): the answer is read
+        to its end for its usage, then refused whole.
+        """
+        if state.refused is None:
+            try:
+                offered_calls([e.call for e in events if isinstance(e, ToolCallProposal)],
+                              call.offers_tools)
+            except MalformedPayload as exc:
+                state.refused = exc
 
     @staticmethod
     def _absorb(call: _Call, state: StreamState) -> None:

@@ -556,7 +556,8 @@ class _GeminiStream(StreamState):
             self.completed = True
         self.text_parts = [r.text]
         self.tool_calls = list(r.tool_calls)
-        self.refused = r.refused
+        # Kept once set: the adapter holds a refusal of its own here too (no tools offered).
+        self.refused = self.refused or r.refused
         # A streamed image or document arrives whole, in one chunk's part.
         self.media = list(r.media)
         self.reasoning = list(r.reasoning)

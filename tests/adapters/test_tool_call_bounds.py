@@ -186,7 +186,8 @@ async def test_an_answer_proposing_max_tool_calls_is_a_success(
 
 def _streamed(protocol: str) -> bytes:
     """A stream of text, then one call of ``search`` with ``{}``, then the protocol's end
-    (with 3 prompt and 1 completion tokens reported after the call, as each protocol does)."""
+    (with 3 prompt and 1 completion tokens reported after the call, as each protocol does);
+    where the protocol delivers a call before the answer's finish, text follows it."""
     if protocol == "openai":
         return _sse(
             {"choices": [{"index": 0, "delta": {"content": "Let me look."}}]},
@@ -201,6 +202,7 @@ def _streamed(protocol: str) -> bytes:
             {"type": "response.output_item.done", "output_index": 1, "item": {
                 "type": "function_call", "id": "fc_0", "call_id": "c0", "name": "search",
                 "arguments": "{}"}},
+            {"type": "response.output_text.delta", "delta": " Done."},
             {"type": "response.completed", "response": {
                 "status": "completed", "model": "m1",
                 "usage": {"input_tokens": 3, "output_tokens": 1, "total_tokens": 4}}})
@@ -218,13 +220,18 @@ def _streamed(protocol: str) -> bytes:
             {"type": "content_block_delta", "index": 1,
              "delta": {"type": "input_json_delta", "partial_json": "{}"}},
             {"type": "content_block_stop", "index": 1},
+            {"type": "content_block_start", "index": 2,
+             "content_block": {"type": "text", "text": " Done."}},
+            {"type": "content_block_stop", "index": 2},
             {"type": "message_delta", "delta": {"stop_reason": "tool_use"},
              "usage": {"output_tokens": 1}},
             {"type": "message_stop"})
     return _sse(
         {"candidates": [{"content": {"role": "model", "parts": [{"text": "Let me look."}]}}]},
         {"candidates": [{"content": {"role": "model", "parts": [
-            {"functionCall": {"name": "search", "args": {}}}]}, "finishReason": "STOP"}],
+            {"functionCall": {"name": "search", "args": {}}}]}}]},
+        {"candidates": [{"content": {"role": "model", "parts": [{"text": " Done."}]},
+                         "finishReason": "STOP"}],
          "usageMetadata": {"promptTokenCount": 3, "candidatesTokenCount": 1}})
 
 
@@ -244,6 +251,9 @@ async def test_an_answer_proposing_tool_calls_to_a_request_that_offered_no_tools
     result, events = await _send(adapter, fake, protocol, stream, tools=[])
     _assert_malformed(result, events, after_text=stream)
     assert "tool call 'search' but the request offered no tools" in result.observation.message
+    # Read to its end, yet nothing of it after the refused call reaches the caller.
+    assert [e.text for e in events if isinstance(e, TextDelta)] == (
+        ["Let me look."] if stream else [])
     # Refused once read whole: with the usage the answer reported (a stream's after the call).
     assert result.usage == Usage(prompt_tokens=3, completion_tokens=1)
     assert result.cost == make_route("", protocol).cost(3, 1)
