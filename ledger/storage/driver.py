@@ -44,7 +44,7 @@ import math
 import sqlite3
 import threading
 import time
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
@@ -103,11 +103,14 @@ Tx = Generator[Step, Any, T]
 class Driver(Protocol):
     """What a store needs of its hot-path driver (:class:`SqliteDriver`, :class:`PgDriver`)."""
 
-    def run(self, tx: Tx[T], *, write: bool) -> T:
-        """Run the transaction function ``tx`` on a blocking connection; returns its value."""
+    def run(self, tx: Tx[T], *, write: bool, again: Callable[[], Tx[T]] | None = None) -> T:
+        """Run the transaction function ``tx`` on a blocking connection; returns its value.
+        ``again``: the same transaction made anew, for a run from its start once more
+        (:class:`PgDriver`)."""
         ...
 
-    async def arun(self, tx: Tx[T], *, write: bool) -> T:
+    async def arun(self, tx: Tx[T], *, write: bool,
+                   again: Callable[[], Tx[T]] | None = None) -> T:
         """Run ``tx`` for an asyncio caller."""
         ...
 
@@ -238,9 +241,11 @@ class SqliteDriver:
             with contextlib.suppress(sqlite3.Error):
                 conn.execute(f"PRAGMA busy_timeout = {self._busy_ms}")
 
-    def run(self, tx: Tx[T], *, write: bool, wait_s: float | None = None) -> T:
+    def run(self, tx: Tx[T], *, write: bool, again: Callable[[], Tx[T]] | None = None,
+            wait_s: float | None = None) -> T:
         """Run ``tx`` in one transaction (``BEGIN IMMEDIATE`` when it writes), waiting for
-        another connection's write lock at most ``wait_s`` (:meth:`begin`)."""
+        another connection's write lock at most ``wait_s`` (:meth:`begin`). ``again`` is not
+        needed: SQLite prepares nothing that a migration can leave stale."""
         conn = self.connection()
         with self._lock:
             if self._closed:  # its connection is closed, or about to be
@@ -294,7 +299,8 @@ class SqliteDriver:
         err.__cause__ = e
         return err
 
-    async def arun(self, tx: Tx[T], *, write: bool) -> T:
+    async def arun(self, tx: Tx[T], *, write: bool,
+                   again: Callable[[], Tx[T]] | None = None) -> T:
         """Run ``tx`` on the database's own thread, grouped with the transactions queued with
         it there (:mod:`ledger.storage.groupcommit`), or a read on its reading thread when the
         own one is busy; the event loop waits without blocking."""
@@ -426,37 +432,34 @@ class PgDriver:
         self.pool = pool
         self.where = pool.where
 
-    def run(self, tx: Tx[T], *, write: bool) -> T:
-        start = _Start()
-        try:
-            return self._run(tx, write, start)
-        except DatabaseUnavailable as e:
-            if not start.again(e, self.where):
-                raise
-        return self._run(tx, write, start)
-
-    def _run(self, tx: Tx[T], write: bool, start: _Start) -> T:
+    def run(self, tx: Tx[T], *, write: bool, again: Callable[[], Tx[T]] | None = None) -> T:
         import psycopg
 
         from ledger.storage.pgpool import release
 
+        start = _Start(again)
         try:
             conn = self.pool.checkout()
         except psycopg.Error as e:
             raise driver_error(e, self.where) from e
         dropped = False
-        committing = _Committing(write)
         try:
-            return self._feed(conn, tx, committing, start)
-        except BaseException as e:
-            failed = _Failed(e, conn, committing)  # before the abort ends what it reads
-            _abort(conn)
-            failed.ask(conn)
-            dropped = failed.dropped(conn)
-            told = failed.told(conn, self.where)
-            if told is e:
-                raise
-            raise told from e
+            while True:
+                committing = _Committing(write)
+                try:
+                    return self._feed(conn, tx, committing, start)
+                except BaseException as e:
+                    failed = _Failed(e, conn, committing)  # before the abort ends what it reads
+                    _abort(conn, forget=failed.stale)
+                    failed.ask(conn)
+                    dropped = failed.dropped(conn)
+                    told = failed.told(conn, self.where)
+                    if not dropped and start.again(told, self.where):
+                        tx = start.restart(tx)
+                        continue
+                    if told is e:
+                        raise
+                    raise told from e
         finally:
             if dropped:
                 self.pool.lost(conn)  # the idle ones beside it are as suspect
@@ -499,44 +502,42 @@ class PgDriver:
                     raise
             committing.done = commit  # the pipeline's end read the COMMIT's answer
             first = False
-            committed = committed or commit
+            committed = start.committed = committed or commit
             rows = [cur.fetchall() if fetch else [] for cur, fetch in cursors]
             value = rows[0] if isinstance(step, Q) else rows
             start.fed = True
 
     # -- asyncio
 
-    async def arun(self, tx: Tx[T], *, write: bool) -> T:
-        start = _Start()
-        try:
-            return await self._arun(tx, write, start)
-        except DatabaseUnavailable as e:
-            if not start.again(e, self.where):
-                raise
-        return await self._arun(tx, write, start)
-
-    async def _arun(self, tx: Tx[T], write: bool, start: _Start) -> T:
+    async def arun(self, tx: Tx[T], *, write: bool,
+                   again: Callable[[], Tx[T]] | None = None) -> T:
         import psycopg
 
         from ledger.storage.pgpool import arelease
 
+        start = _Start(again)
         try:
             conn = await self.pool.acheckout()
         except psycopg.Error as e:
             raise driver_error(e, self.where) from e
         dropped = False
-        committing = _Committing(write)
         try:
-            return await self._afeed(conn, tx, committing, start)
-        except BaseException as e:
-            failed = _Failed(e, conn, committing)
-            await _aabort(conn)
-            await failed.aask(conn)
-            dropped = failed.dropped(conn)
-            told = failed.told(conn, self.where)
-            if told is e:
-                raise
-            raise told from e
+            while True:
+                committing = _Committing(write)
+                try:
+                    return await self._afeed(conn, tx, committing, start)
+                except BaseException as e:
+                    failed = _Failed(e, conn, committing)
+                    await _aabort(conn, forget=failed.stale)
+                    await failed.aask(conn)
+                    dropped = failed.dropped(conn)
+                    told = failed.told(conn, self.where)
+                    if not dropped and start.again(told, self.where):
+                        tx = start.restart(tx)
+                        continue
+                    if told is e:
+                        raise
+                    raise told from e
         finally:
             if dropped:
                 await self.pool.alost(conn)
@@ -580,7 +581,7 @@ class PgDriver:
                     raise
             committing.done = commit  # the pipeline's end read the COMMIT's answer
             first = False
-            committed = committed or commit
+            committed = start.committed = committed or commit
             rows = [await cur.fetchall() if fetch else [] for cur, fetch in cursors]
             value = rows[0] if isinstance(step, Q) else rows
             start.fed = True
@@ -617,25 +618,30 @@ def _cursor(conn: Any, kept: dict[Any, Any], key: Any, busy: list[tuple[Any, boo
 
 
 class _Start:
-    """A transaction's first step, kept until the transaction function has been sent rows.
+    """What a PostgreSQL transaction needs to run once more from its start.
 
-    Until then the function has seen nothing of the database: it waits at its first ``yield``
-    for that step's rows, as it did when the step was first sent. So a first step the server
-    refused for a statement prepared before a migration changed what it returns
-    (``schema_changed``: the transaction was rolled back, and the connection is dropped) is
-    sent once more, ``BEGIN`` and all, on a fresh connection, and the function goes on from
-    there as if nothing had happened: the snapshot of a turn, and every transaction whose
-    reads come first (a begin's, a settle's), never tell it. Past the first step the function
-    has decided on rows of the transaction that was rolled back, and only a new one could
-    start over: the error is told (retry-safe), and :func:`ledger.storage.store.resolving`
-    runs a write again from its start.
+    The one rule: a transaction the server refused for a statement prepared before a migration
+    changed what it returns (``schema_changed``) was rolled back whole, the server answering a
+    statement of it (a ``COMMIT`` whose outcome is unknown is not this), and the abort let go
+    of what its connection had prepared (:func:`_abort`). So unless an earlier step of it
+    committed, nothing of it happened, and it runs once more from its start on that same
+    connection, now clean: every transaction function is written to have no effect outside the
+    database between its steps (it only yields statements and computes on their rows), so
+    running it again is sound. Until the function has been sent rows it waits at its first
+    ``yield`` as it did when that step was first sent, so the step itself is sent again;
+    past that the function is made anew (``again``, which the runner gives for every
+    transaction of a flow). Once only: a refusal on the clean connection is told
+    (:class:`~ledger.errors.DatabaseUnavailable`, retry-safe), as is one of a transaction
+    that cannot be made anew (a caller of the driver itself, past the first step).
     """
 
-    __slots__ = ("fed", "replayed", "step")
+    __slots__ = ("committed", "fed", "remake", "replayed", "step")
 
-    def __init__(self) -> None:
+    def __init__(self, remake: Callable[[], Tx[Any]] | None) -> None:
+        self.remake = remake
         self.step: Step | None = None
         self.fed = False
+        self.committed = False
         self.replayed = False
 
     def step_of(self, tx: Tx[Any], value: Any, first: bool) -> Step:
@@ -647,17 +653,28 @@ class _Start:
             self.step = step
         return step
 
-    def again(self, err: DatabaseUnavailable, where: str) -> bool:
-        """Whether the transaction is to run once more (on a fresh connection) after ``err``:
-        its first step was refused for a stale prepared statement, and it was not run again
-        already (the error of a second try is told)."""
-        if self.replayed or self.fed or self.step is None \
-                or not err.fields.get("schema_changed"):
+    def again(self, err: BaseException, where: str) -> bool:
+        """Whether the transaction is to run once more after ``err`` (see the class)."""
+        if self.replayed or self.committed or self.step is None \
+                or (self.fed and self.remake is None) \
+                or not isinstance(err, DatabaseUnavailable) \
+                or not err.fields.get("schema_changed") or err.fields.get("commit"):
             return False
         self.replayed = True
         log.warning("a migration changed the schema under a statement prepared on a "
-                    "connection to %s; the transaction runs again on a fresh connection", where)
+                    "connection to %s; the transaction runs again from its start on that "
+                    "connection, which let go of what it had prepared", where)
         return True
+
+    def restart(self, tx: Tx[T]) -> Tx[T]:
+        """The transaction to run again: ``tx`` itself when it was sent no rows yet (its first
+        step is sent again), else the one made anew."""
+        if not self.fed:
+            return tx
+        assert self.remake is not None  # again() said so
+        tx.close()
+        self.step, self.fed = None, False
+        return self.remake()
 
 
 class _Committing:
@@ -735,8 +752,8 @@ class _Failed:
         self.error = e
         self.committing = committing
         self.standby = isinstance(e, psycopg.Error) and _standby_refusal(e, conn)
-        # A statement prepared before a migration changed its result: the pool's other
-        # connections prepared it too, and each would fail one transaction on it.
+        # A statement prepared before a migration changed its result: the abort lets go of
+        # everything the connection prepared (the server keeps it past the transaction).
         self.stale = isinstance(e, psycopg.Error) and stale_plan(e)
         # A read-only transaction the server did not say it is a standby for: asked once the
         # abort has ended the transaction (ask, aask), whether it is a primary refusing this
@@ -766,10 +783,14 @@ class _Failed:
         next checkout connects by itself): it ended closed, whether the server or the network
         closed it or the abort had to (``cannot exit pipeline mode while busy``, a connection
         still busy with a pipeline: the same server restart or termination may have ended its
-        idle neighbours too), its server is a standby, or it holds a statement prepared before
-        a migration changed what it returns (so do its neighbours: a drained pool replaces
-        them, and those in use when they come back)."""
-        return bool(self.standby or self.stale or conn.closed)
+        idle neighbours too), or its server is a standby.
+
+        Not one that held a statement prepared before a migration changed what it returns: the
+        abort let go of what it had prepared, and it serves on. Its neighbours are left be:
+        each lets go of its own when the server refuses it such a statement, once, and
+        draining the pool for each would close the fresh connections made since, once per
+        connection that was in use when the schema changed."""
+        return bool(self.standby or conn.closed)
 
     def told(self, conn: Any, where: str) -> BaseException:
         """What the caller is told (after the abort): a standby's refusal, the ledger error a
@@ -857,8 +878,13 @@ async def _acancel(conn: Any) -> None:
         await conn.cancel_safe(timeout=CANCEL_TIMEOUT_S)
 
 
-def _abort(conn: Any) -> None:
-    """Leave no transaction open on a connection going back to the pool (or close it)."""
+def _abort(conn: Any, *, forget: bool = False) -> None:
+    """Leave no transaction open on a connection going back to the pool (or close it);
+    ``forget``: and nothing it prepared, through psycopg's own rollback, which always lets go
+    of its statements, on the server too (``DEALLOCATE ALL``). A ``ROLLBACK`` statement lets go
+    of them only when psycopg happens to read it as one (its cache counts it as a query), and
+    the server keeps prepared statements past the transaction: a stale one would be refused
+    again on the next transaction of the connection."""
     import psycopg
     from psycopg.pq import TransactionStatus
 
@@ -867,18 +893,25 @@ def _abort(conn: Any) -> None:
     if conn.closed:
         return
     status = conn.info.transaction_status
-    if status == TransactionStatus.IDLE:
+    if status == TransactionStatus.IDLE and not forget:
         return
-    if status in (TransactionStatus.INTRANS, TransactionStatus.INERROR):
+    if status in (TransactionStatus.IDLE, TransactionStatus.INTRANS,
+                  TransactionStatus.INERROR):
         try:
-            conn.execute("ROLLBACK")
+            if not forget:
+                conn.execute("ROLLBACK")
+                return
+            if status == TransactionStatus.IDLE:
+                conn.execute("BEGIN")  # psycopg's rollback does nothing out of a transaction
+            conn.rollback()
             return
         except psycopg.Error:
             pass
     hard_close(conn)
 
 
-async def _aabort(conn: Any) -> None:
+async def _aabort(conn: Any, *, forget: bool = False) -> None:
+    """:func:`_abort` for an asyncio connection."""
     import psycopg
     from psycopg.pq import TransactionStatus
 
@@ -887,11 +920,17 @@ async def _aabort(conn: Any) -> None:
     if conn.closed:
         return
     status = conn.info.transaction_status
-    if status == TransactionStatus.IDLE:
+    if status == TransactionStatus.IDLE and not forget:
         return
-    if status in (TransactionStatus.INTRANS, TransactionStatus.INERROR):
+    if status in (TransactionStatus.IDLE, TransactionStatus.INTRANS,
+                  TransactionStatus.INERROR):
         try:
-            await conn.execute("ROLLBACK")
+            if not forget:
+                await conn.execute("ROLLBACK")
+                return
+            if status == TransactionStatus.IDLE:
+                await conn.execute("BEGIN")
+            await conn.rollback()
             return
         except psycopg.Error:
             pass

@@ -65,6 +65,18 @@ CHECKOUT_TIMEOUT_S = 30.0
 IDLE_CHECK_S = 1.0
 #: An idle connection unused this long is closed (one per period, by the pool's worker).
 MAX_IDLE_S = 600.0
+#: How many times a hot-path connection runs a statement before psycopg prepares it on the
+#: server (psycopg's own default): the hot path's few statements, repeated, are planned once.
+_HOT_PREPARE = 5
+#: The cold path's (SQLAlchemy's reads and writes, lent: :meth:`PgPool.lend`): none is
+#: prepared. Its queries are many and seldom the same twice on a connection, so preparing
+#: saves little; and a prepared one would be refused once per connection after a migration
+#: changed the type of a column it returns (``cached plan must not change result type``) in
+#: the middle of a call made of Python code between statements, which cannot be run again
+#: from its start as the driver runs a hot-path transaction
+#: (:class:`~ledger.storage.driver.PgDriver`). The hot path's prepared statements stay on the
+#: connection, unused while it is lent.
+_COLD_PREPARE: int | None = None
 
 
 class _Own:
@@ -226,6 +238,7 @@ def release(conn: Any) -> None:
     if not conn.closed and not conn.autocommit:
         try:
             conn.autocommit = True  # as the hot path takes it; SQLAlchemy ended its own
+            conn.prepare_threshold = _HOT_PREPARE
         except Exception:
             hard_close(conn)  # still in a transaction: not fit to go back as it is
     conn._ledger_idle_since = time.monotonic()
@@ -383,10 +396,11 @@ class PgPool:
 
     def lend(self) -> Any:
         """A connection for SQLAlchemy (the engine's ``creator``): as :meth:`checkout`, out of
-        autocommit mode, for SQLAlchemy begins and ends its transactions itself. Closing it
-        gives it back."""
+        autocommit mode, for SQLAlchemy begins and ends its transactions itself, and preparing
+        nothing on the server (:data:`_COLD_PREPARE`). Closing it gives it back."""
         conn = self.checkout()
         conn.autocommit = False
+        conn.prepare_threshold = _COLD_PREPARE
         return conn
 
     def _usable(self, conn: Any, now: float) -> bool:

@@ -127,9 +127,12 @@ async def in_own_thread(fn: Callable[[], T], name: str) -> T:
 
 @dataclass(frozen=True, slots=True)
 class Txn(Generic[T]):
-    """One transaction of a flow: ``tx`` run by the driver (``write``: it takes the write lock)."""
+    """One transaction of a flow: the transaction function ``make()`` run by the driver
+    (``write``: it takes the write lock). Made again when the driver runs it once more from
+    its start (:class:`~ledger.storage.driver.PgDriver`: a migration changed what a statement
+    it had prepared returns)."""
 
-    tx: Tx[T]
+    make: Callable[[], Tx[T]]
     write: bool = True
 
 
@@ -145,9 +148,10 @@ Step = Txn[Any] | Blocking[Any]
 Flow = Generator[Step, Any, T]
 
 
-def txn(tx: Tx[T], *, write: bool = True) -> Generator[Step, Any, T]:
-    """Yield ``tx`` as a step of a flow and return its result: ``x = yield from txn(tx)``."""
-    return (yield Txn(tx, write))  # type: ignore[no-any-return]
+def txn(make: Callable[[], Tx[T]], *, write: bool = True) -> Generator[Step, Any, T]:
+    """Yield the transaction ``make()`` as a step of a flow and return its result:
+    ``x = yield from txn(lambda: some_tx(sql, ...))``."""
+    return (yield Txn(make, write))  # type: ignore[no-any-return]
 
 
 def blocking(call: Callable[[], T]) -> Generator[Step, Any, T]:
@@ -177,7 +181,7 @@ class Runner:
             value, error = None, None
             try:
                 if isinstance(step, Txn):
-                    value = self.driver.run(step.tx, write=step.write)
+                    value = self.driver.run(step.make(), write=step.write, again=step.make)
                 else:
                     value = step.call()
             except Exception as e:  # handed to the flow, which may act on it or raise it
@@ -201,7 +205,8 @@ class Runner:
             value, error = None, None
             try:
                 if isinstance(step, Txn):
-                    value = await self.driver.arun(step.tx, write=step.write)
+                    value = await self.driver.arun(step.make(), write=step.write,
+                                                   again=step.make)
                 else:
                     value = await self.workers.call(step.call)
             except Exception as e:

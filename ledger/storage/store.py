@@ -123,10 +123,9 @@ def resolving(operation: str, write: Callable[[bool], Tx[T]], *, again: bool = T
               **about: Any) -> Flow[T]:
     """Perform the write ``write(False)``; when its ``COMMIT``'s outcome is unknown, resolve it.
 
-    A write the server refused past its first step for a statement prepared before a migration
-    changed what it returns (``schema_changed``: rolled back, its connection dropped; the
-    driver itself sends a first step again) is made once more, from its start, on a fresh
-    connection (:func:`_remade`).
+    A write the server refused for a statement prepared before a migration changed what it
+    returns (``schema_changed``) is made once more from its start by the driver itself, as
+    every transaction is (:class:`~ledger.storage.driver.PgDriver`).
 
     ``write(True)`` is the same write again, run on a new connection: it locks the Run's row
     before reading, so it waits for the old transaction to end on the server and then finds it
@@ -137,7 +136,7 @@ def resolving(operation: str, write: Callable[[bool], Tx[T]], *, again: bool = T
     with ``operation``, ``resolved`` and ``landed`` (and ``about``) in its fields.
     """
     try:
-        return (yield from _remade(write))
+        return (yield from txn(lambda: write(False)))
     except DatabaseUnavailable as e:
         e.fields.update(operation=operation, **about)
         if not commit_unknown(e):
@@ -150,7 +149,7 @@ def resolving(operation: str, write: Callable[[bool], Tx[T]], *, again: bool = T
     log.warning("%s: the connection was lost after its COMMIT was sent; resolving it under "
                 "the Run's row lock on a new connection (%s)", operation, first)
     try:
-        out = yield from txn(write(True))
+        out = yield from txn(lambda: write(True))
     except DatabaseUnavailable as second:
         first.add_note(f"resolving the {operation} failed too: {second}")
         log.warning("%s: not resolved (%s); it is safe to retry once the database is back",
@@ -158,27 +157,6 @@ def resolving(operation: str, write: Callable[[bool], Tx[T]], *, again: bool = T
         raise first from first.__cause__  # the original error, with its own cause
     log.warning("%s: resolved: the write is recorded", operation)
     return out
-
-
-def _remade(write: Callable[[bool], Tx[T]]) -> Flow[T]:
-    """``write(False)``, made once more from its start when the server refused a statement of
-    it prepared before a migration changed what the statement returns: the transaction was
-    rolled back (the server answered a statement of it; a ``COMMIT`` whose outcome is unknown
-    is not this) and the driver dropped the connections holding the statement, so the write
-    runs again on a fresh one. Its error, if it fails again, is told.
-
-    Sound only for a write whose one ``COMMIT`` is its last step, as every write given to
-    :func:`resolving` is: a transaction that committed a step before the refused one would have
-    that step made twice.
-    """
-    try:
-        return (yield from txn(write(False)))
-    except DatabaseUnavailable as e:
-        if not e.fields.get("schema_changed") or commit_unknown(e):
-            raise
-    log.warning("a migration changed the schema under a statement of a write; it is made "
-                "again on a fresh connection")
-    return (yield from txn(write(False)))
 
 
 class Pending:
@@ -403,14 +381,14 @@ class Store:
         verdict = settle_verdict(error)
         if verdict is not None:
             return verdict
-        att = yield from txn(hot.attempt_tx(self.sql, item.attempt_id), write=False)
+        att = yield from txn(lambda: hot.attempt_tx(self.sql, item.attempt_id), write=False)
         step = attempt_verdict(att, item)
         if not isinstance(step, ReceiptSpec):
             return step
         try:
             yield from blocking(lambda: self._runs.settle_unknown(step, clock))
         except InvalidState:  # someone else settled it first: as they recorded it
-            att = yield from txn(hot.attempt_tx(self.sql, item.attempt_id), write=False)
+            att = yield from txn(lambda: hot.attempt_tx(self.sql, item.attempt_id), write=False)
             again = attempt_verdict(att, item)
             return again if isinstance(again, Resolution) else Resolution.LEFT
         return Resolution.LATE
@@ -479,8 +457,8 @@ class Store:
         tree recorded with different content (``carried`` ``None``: every ref). Raises
         :class:`~ledger.errors.NotFound` for an unknown run."""
         yield from self._first(run_id, clock)
-        rows = yield from txn(hot.snapshot_tx(self.sql, run_id, groups, keys, runs, refs,
-                                              clock, turn_id), write=False)
+        rows = yield from txn(lambda: hot.snapshot_tx(self.sql, run_id, groups, keys, runs, refs,
+                                                      clock, turn_id), write=False)
         # Provenance rows are never rewritten nor deleted, so a later read of the rest of the
         # tree agrees with the snapshot; a turn whose parts its own line covers never pays it.
         # A ref the line recorded with other content is read in the tree too: another Run of
@@ -491,7 +469,7 @@ class Store:
         others = [r for r in refs if r not in rows.provenance or carried is None
                   or not wanted.get(r, set()) <= rows.provenance[r]]
         if others and runs:
-            more = yield from txn(hot.tree_provenance_tx(self.sql, runs[-1], others),
+            more = yield from txn(lambda: hot.tree_provenance_tx(self.sql, runs[-1], others),
                                   write=False)
             rows = replace(rows, provenance={**rows.provenance, **more})
         return rows
@@ -613,7 +591,7 @@ class Store:
     def leave_queue(self, waiter_id: str, group: str) -> Flow[None]:
         """Give up the queue place of ``waiter_id`` (the attempt id of a queued begin) in
         ``group``, and wake the waiters behind it; without a place nothing happens."""
-        yield from txn(hot.leave_queue_tx(self.sql, waiter_id, group))
+        yield from txn(lambda: hot.leave_queue_tx(self.sql, waiter_id, group))
         self.waker.poke(group)
 
     def settle_attempt(self, run_id: str, spec: SettleSpec, clock: ClockFn, *,
@@ -658,7 +636,8 @@ class Store:
                 run_id=run_id, attempt_id=spec.attempt_id)
         except (FencedOut, SettleConflict) as e:
             if _late(e):
-                yield from txn(hot.late_receipt_tx(self.sql, run_id, spec, clock(), str(e)))
+                now, why = clock(), str(e)
+                yield from txn(lambda: hot.late_receipt_tx(self.sql, run_id, spec, now, why))
             raise
         self.waker.poke(rec.group_id)  # its slot is free: a waiter may go
         return rec
@@ -670,13 +649,14 @@ class Store:
         :class:`~ledger.errors.NotFound` (no such attempt in the lease's run),
         :class:`~ledger.errors.FencedOut` (a stale lease, or an Attempt of another fence)."""
         yield from self._first(lease.run_id, clock)
-        rec = yield from txn(hot.mark_unknown_tx(self.sql, lease, attempt_id, clock, reason))
+        rec = yield from txn(lambda: hot.mark_unknown_tx(self.sql, lease, attempt_id, clock,
+                                                         reason))
         self.waker.poke(rec.group_id)  # its slot is free: a waiter may go
         return rec
 
     def attempt(self, attempt_id: str) -> Flow[AttemptRecord]:
         """One Attempt with its debit's state. Raises :class:`~ledger.errors.NotFound`."""
-        return (yield from txn(hot.attempt_tx(self.sql, attempt_id), write=False))
+        return (yield from txn(lambda: hot.attempt_tx(self.sql, attempt_id), write=False))
 
     def acquire_lease(self, run_id: str, executor: str, ttl_s: float, clock: ClockFn
                       ) -> Flow[Lease]:
@@ -720,8 +700,8 @@ class Store:
         many are left. Raises :class:`~ledger.errors.AllowanceExhausted`, ``LeaseLost`` /
         ``FencedOut``."""
         yield from self._first(lease.run_id, clock)
-        return (yield from txn(hot.reserve_retry_tx(self.sql, lease, clock,
-                                                    self.lease_margin_s, dict(data or {}))))
+        return (yield from txn(lambda: hot.reserve_retry_tx(self.sql, lease, clock,
+                                                            self.lease_margin_s, dict(data or {}))))
 
     def record_provenance(self, lease: Lease, ref: str, content_hash: str, kind: str,
                           clock: ClockFn, *, own_attempt: bool = False) -> Flow[None]:
@@ -731,16 +711,16 @@ class Store:
         transaction; with ``own_attempt`` it must be an Attempt of the lease's Run instead
         (:class:`~ledger.errors.NotFound`). Raises ``LeaseLost`` / ``FencedOut``."""
         yield from self._first(lease.run_id, clock)
-        yield from txn(hot.provenance_tx(self.sql, lease, ref, content_hash, kind, clock,
-                                         self.lease_margin_s, own_attempt=own_attempt))
+        yield from txn(lambda: hot.provenance_tx(self.sql, lease, ref, content_hash, kind, clock,
+                                                 self.lease_margin_s, own_attempt=own_attempt))
 
     def append_event(self, lease: Lease, attempt_id: str | None, kind: str,
                      data: Mapping[str, Any], clock: ClockFn) -> Flow[None]:
         """Append an audit event (``data`` stored as redacted JSON) under a live lease.
         Raises ``LeaseLost`` / ``FencedOut``."""
         yield from self._first(lease.run_id, clock)
-        yield from txn(hot.event_tx(self.sql, lease, attempt_id, kind, data, clock,
-                                    self.lease_margin_s))
+        yield from txn(lambda: hot.event_tx(self.sql, lease, attempt_id, kind, data, clock,
+                                            self.lease_margin_s))
 
     def claim_probe(self, key: str, provider: str | None, now: float, interval_s: float, *,
                     kind: str = "route", ttl_s: float | None = None,
@@ -749,14 +729,16 @@ class Store:
         profile or provider): True for exactly one caller per ``interval_s``. A claim taken
         forgets probe times ``ttl_s`` old and keeps at most ``max_keys`` keys with one."""
         faults.point("probe.before_claim")
-        return (yield from txn(hot.claim_probe_tx(self.sql, key, provider, now, interval_s,
-                                                  kind=kind, ttl_s=ttl_s, max_keys=max_keys)))
+        return (yield from txn(lambda: hot.claim_probe_tx(
+            self.sql, key, provider, now, interval_s, kind=kind, ttl_s=ttl_s,
+            max_keys=max_keys)))
 
     def record_compaction(self, lease: Lease, clock: ClockFn) -> Flow[int]:
         """Count one compaction of the Run's session; returns the new count. Raises
         ``LeaseLost`` / ``FencedOut``."""
         yield from self._first(lease.run_id, clock)
-        return (yield from txn(hot.compaction_tx(self.sql, lease, clock, self.lease_margin_s)))
+        return (yield from txn(lambda: hot.compaction_tx(self.sql, lease, clock,
+                                                         self.lease_margin_s)))
 
 
 def _what(item: Unresolved) -> str:

@@ -125,7 +125,7 @@ def test_every_call_after_a_migration_goes_through_the_first_time(
             _migrate(pg_url, name)
             try:
                 calls[name]()
-            except Exception as e:  # noqa: BLE001 - each call's own outcome, told together
+            except Exception as e:  # each call's own outcome, told together
                 refused[name] = e
             assert len(drains) - before <= 1, (name, drains)
             for _ in range(WARM):  # and every one after it, on each connection of the pool
@@ -149,7 +149,7 @@ def test_every_async_call_after_a_migration_goes_through_the_first_time(
                 _migrate(pg_url, name)
                 try:
                     await calls[name]()
-                except Exception as e:  # noqa: BLE001
+                except Exception as e:
                     refused[name] = e
                 assert len(drains) - before <= 1, (name, drains)
                 for _ in range(WARM):
@@ -177,7 +177,7 @@ def test_connections_in_use_when_the_schema_changed_drain_the_pool_at_most_once(
             def one() -> None:
                 try:
                     driver.run(_read_after(barrier), write=False)
-                except BaseException as e:  # noqa: BLE001 - told to the test's thread
+                except BaseException as e:  # told to the test's thread
                     failed.append(e)
 
             threads = [threading.Thread(target=one) for _ in range(AT_ONCE)]
