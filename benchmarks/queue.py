@@ -103,13 +103,13 @@ class CountingDriver:
     def _count(self, tx: Any) -> None:
         self.counts[getattr(tx, "__name__", "?")] += 1
 
-    def run(self, tx: Any, *, write: bool) -> Any:
+    def run(self, tx: Any, *, write: bool, again: Any = None) -> Any:
         self._count(tx)
-        return self.inner.run(tx, write=write)
+        return self.inner.run(tx, write=write, again=again)
 
-    async def arun(self, tx: Any, *, write: bool) -> Any:
+    async def arun(self, tx: Any, *, write: bool, again: Any = None) -> Any:
         self._count(tx)
-        return await self.inner.arun(tx, write=write)
+        return await self.inner.arun(tx, write=write, again=again)
 
     def close(self) -> None:
         self.inner.close()

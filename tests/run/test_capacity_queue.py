@@ -1073,13 +1073,13 @@ class _Begins:
         self.inner = inner
         self.count = 0
 
-    def run(self, tx: Any, *, write: bool) -> Any:
+    def run(self, tx: Any, *, write: bool, again: Any = None) -> Any:
         self.count += getattr(tx, "__name__", "") == "begin_tx"
-        return self.inner.run(tx, write=write)  # type: ignore[attr-defined]
+        return self.inner.run(tx, write=write, again=again)  # type: ignore[attr-defined]
 
-    async def arun(self, tx: Any, *, write: bool) -> Any:
+    async def arun(self, tx: Any, *, write: bool, again: Any = None) -> Any:
         self.count += getattr(tx, "__name__", "") == "begin_tx"
-        return await self.inner.arun(tx, write=write)  # type: ignore[attr-defined]
+        return await self.inner.arun(tx, write=write, again=again)  # type: ignore[attr-defined]
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)

@@ -38,13 +38,13 @@ class _Counting:
         self.inner = inner
         self.counts: Counter[str] = Counter()
 
-    def run(self, tx: Any, *, write: bool) -> Any:
+    def run(self, tx: Any, *, write: bool, again: Any = None) -> Any:
         self.counts[getattr(tx, "__name__", "")] += 1
-        return self.inner.run(tx, write=write)
+        return self.inner.run(tx, write=write, again=again)
 
-    async def arun(self, tx: Any, *, write: bool) -> Any:
+    async def arun(self, tx: Any, *, write: bool, again: Any = None) -> Any:
         self.counts[getattr(tx, "__name__", "")] += 1
-        return await self.inner.arun(tx, write=write)
+        return await self.inner.arun(tx, write=write, again=again)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)

@@ -102,9 +102,9 @@ def test_a_read_never_waits_for_the_write_lock_another_process_holds(tmp_path: P
                     waiting.set()
                 begin(conn, write=write, wait_s=wait_s)
 
-            async def counted(tx: Any, *, write: bool) -> Any:
+            async def counted(tx: Any, *, write: bool, again: Any = None) -> Any:
                 writes[0] += write  # counted as it is submitted (arun submits before it awaits)
-                return await arun(tx, write=write)
+                return await arun(tx, write=write, again=again)
 
             driver.begin, driver.arun = watched, counted
             holder = subprocess.Popen(
