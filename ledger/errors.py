@@ -243,7 +243,8 @@ class DatabaseUnavailable(StorageError):
     ``fields["schema_changed"]`` is ``True`` when a migration changed the type of a column a
     statement returns after the connection had prepared it (PostgreSQL: ``cached plan must
     not change result type``): the transaction was rolled back, and a retry goes through (the
-    hot path runs a transaction's first step, and a write, again by itself).
+    hot path runs a transaction again once by itself, from its start, on the connection once
+    it let go of what it prepared; the cold path prepares nothing).
     """
 
 

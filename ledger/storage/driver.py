@@ -426,7 +426,9 @@ class PgDriver:
     or closes it; a connection that ends closed, whether the server or the network closed it
     or the abort had to, goes back as a dropped one (:meth:`PgPool.lost
     <ledger.storage.pgpool.PgPool.lost>`: its idle neighbours are drained), read in one place
-    for both drivers (:class:`_Failed`)."""
+    for both drivers (:class:`_Failed`). A transaction refused for a statement prepared before a
+    migration changed what it returns runs once more from its start on its own connection,
+    which let go of what it had prepared (:class:`_Start`)."""
 
     def __init__(self, pool: PgPool) -> None:
         self.pool = pool

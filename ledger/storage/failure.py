@@ -45,9 +45,10 @@ SQLAlchemy transactions, the migrations, the floor benchmark — hands what it c
   returns (PostgreSQL's ``cached plan must not change result type``, SQLSTATE 0A000: a
   connection prepares the statements it repeats, and the server refuses such a one on it until
   it is prepared again): :class:`~ledger.errors.DatabaseUnavailable` (``schema_changed=True``),
-  retry-safe, for the transaction was rolled back, and psycopg lets go of what the connection
-  prepared when it rolls back; the hot path's driver drops the connection and the pool's others
-  as well, and sends a transaction's first step again itself (:mod:`ledger.storage.driver`);
+  retry-safe, for the transaction was rolled back, and psycopg's rollback lets go of what the
+  connection prepared; the hot path's driver runs the transaction again once from its start on
+  that connection (:class:`~ledger.storage.driver.PgDriver`), and the cold path prepares
+  nothing (:meth:`~ledger.storage.pgpool.PgPool.lend`);
 * a row whose key is already recorded (a unique or primary key): :class:`~ledger.errors.Conflict`;
 * anything else the database said: :class:`~ledger.errors.StorageError`.
 
@@ -205,9 +206,8 @@ def _schema_changed(text: str, where: str) -> DatabaseUnavailable:
         f"database {where}: the schema changed under a statement this connection had prepared "
         f"({text}): a migration changed a column's type since (`failover-ledger db init`, or a "
         "ledger of a newer version opening the database); the transaction was rolled back and "
-        "nothing of it was recorded, and what the connection had prepared was let go with it "
-        "(the hot path drops the connection): a retry prepares the statement anew and goes "
-        "through", url=where, schema_changed=True)
+        "nothing of it was recorded, and what the connection had prepared was let go with it: "
+        "a retry prepares the statement anew and goes through", url=where, schema_changed=True)
 
 
 def _refused(text: str, where: str, *, privilege: bool = False) -> DatabaseReadOnly:
