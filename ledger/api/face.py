@@ -1319,9 +1319,10 @@ class Face(Generic[SessionT, OpenedT]):
         On PostgreSQL, whose history is partitioned by month, each partition of ``attempts``
         and ``events`` whose month ended at least ``older_than`` ago is dropped
         whole; on SQLite the same rows are deleted one by one. Never the rows of a *held*
-        Run: one still live (``admitted`` or ``running``) or with an Attempt still
-        ``unknown`` or ``dispatching`` (on PostgreSQL a partition holding any such row stays
-        whole, and the report says why). Operators' action events are never dropped. Runs,
+        Run: one still live (``admitted`` or ``running``), an ended one whose lease is live
+        by the ledger clock (a session resumed it), or one with an Attempt still ``unknown``
+        or ``dispatching`` (on PostgreSQL a partition holding any such row stays whole, and
+        the report says why). Operators' action events are never dropped. Runs,
         debits and provenance stay. In the same transaction a ``retention`` event (of no
         Run) records who, why, the cut-off and what went (partitions and rows);
         ``Audit.actions`` lists it. On SQLite the rows go in slices of at most 5,000
@@ -1352,7 +1353,9 @@ class Face(Generic[SessionT, OpenedT]):
                 days (``field="older_than"``), ``reason`` or ``by`` is not a short text.
             DatabaseUnavailable: a table stayed locked longer than the retention's lock
                 timeout, or another retention run held the retention lock that long
-                (``fields["contention"] == "55P03"``); nothing was dropped (run it again).
+                (``fields["contention"] == "55P03"``); or, on PostgreSQL, a session resumed
+                an ended Run of a partition about to go after it was checked
+                (``fields["contention"] == "40001"``); nothing was dropped (run it again).
             DatabaseSetupError: on PostgreSQL, a role that does not own the ledger's tables
                 (``problem="schema_privilege"``; the message names the owner to run it as),
                 unless ``dry_run``; nothing was dropped or recorded.

@@ -132,5 +132,25 @@ def trimmed_refusal(run_id: str, status: str, admitted_at: float,
         retention_by=data.get("by"))
 
 
+def missing_refusal(run_id: str, calls_used: int, next_seq: int) -> InvalidState | None:
+    """Why a begin of ``run_id`` numbers no Attempt: its counters count more calls than it
+    has Attempts left (``None``: they do not).
+
+    Every counted call is an Attempt with a ``seq`` of its own, so ``calls_used`` is never
+    above the highest ``seq`` (``next_seq - 1``) unless Attempts were dropped: the history of
+    a resumed Run that retention trimmed although its lease was taken (it keeps the rows of a
+    Run whose lease is live, and a lease taken after it is refused by
+    :func:`trimmed_refusal`). Both numbers are read by the begin anyway: no statement more.
+    """
+    if calls_used < next_seq:
+        return None
+    return InvalidState(
+        f"run {run_id!r} counts {calls_used} model call(s) but has {next_seq - 1} Attempt(s) "
+        "left: its history was dropped by retention; its next Attempt would be numbered "
+        f"{next_seq}, from what is left, so it starts no new Attempt: admit the work as a new "
+        "Run (another run id)", run_id=run_id, calls_used=calls_used,
+        attempts_left=next_seq - 1)
+
+
 __all__ = ["ENDED", "POLICY_STOPS", "closed_refusal", "idle_end", "last_turn_served",
-           "trimmed_refusal", "turn_end"]
+           "missing_refusal", "trimmed_refusal", "turn_end"]

@@ -487,7 +487,8 @@ class Retention:
 
     ``cutoff`` is the ledger clock's time less ``older_than_s``; ``dropped`` the history that
     went (or, with ``dry_run``, would go), ``kept`` the old partitions kept because an open
-    (unknown or dispatching) Attempt or a live Run is inside; ``actions_kept`` the operators'
+    (unknown or dispatching) Attempt, a live Run or an ended Run under a live lease (resumed)
+    is inside; ``actions_kept`` the operators'
     action events older than the cut-off that stay; ``event`` the ``retention`` event that
     records the run (on SQLite, which drops in slices, the last slice's; ``None`` for a dry
     run).

@@ -21,7 +21,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from ledger import faults
-from ledger.decide.ending import ENDED, closed_refusal, trimmed_refusal
+from ledger.decide.ending import ENDED, closed_refusal, missing_refusal, trimmed_refusal
 from ledger.decide.settle import lease_problem, settle_holds
 from ledger.domain.records import (
     AttemptRecord,
@@ -212,6 +212,9 @@ def begin_tx(sql: Statements, spec: BeginSpec, clock: ClockFn, margin: float
     now = clock()
     check_live(run, lease, now, margin)
     next_seq, prior, g_id, g_limit, g_mode, g_until = looked[0]
+    missing = missing_refusal(spec.run_id, int(run.calls_used), int(next_seq))
+    if missing is not None:
+        raise missing
     if prior is not None:
         return (yield from _begin_again(sql, spec, run, lease, now, clock, margin,
                                         (g_id, g_limit, g_mode, g_until)))

@@ -20,13 +20,18 @@ write lock nor holds up the ledger's writers while it counts, and which a read-o
 allows.
 
 A Run is held while it is live (``admitted`` or ``running``: its executor may still write to
-it) or while any of its Attempts is open (``unknown`` or ``dispatching``: an operator may still
-settle it with evidence, and its story must be whole for that). The events of operators'
-actions (:data:`~ledger.domain.records.OPERATOR_ACTION_KINDS`) are never dropped: on
-PostgreSQL those of a dropped partition are copied back first, into the default partition (no
-month partition covers their time any more). Runs, debits and provenance are not touched; the
-roll-ups of the hours that lost rows (:mod:`ledger.storage.rollups`) go with them, so the
-totals over those hours read what is left.
+it), while its lease is live by retention's clock (an ended Run a session resumed: its next
+Attempt is numbered from its rows) or while any of its Attempts is open (``unknown`` or
+``dispatching``: an operator may still settle it with evidence, and its story must be whole
+for that). A lease taken after the checks and before the drops is found again under the drops'
+locks, and the run fails having changed nothing (:func:`_still_unheld`); one taken after the
+commit sees the ``retention`` event and is refused (``ledger.decide.ending.trimmed_refusal``).
+The events of operators' actions (:data:`~ledger.domain.records.OPERATOR_ACTION_KINDS`) are
+never dropped: on PostgreSQL those of a dropped partition are copied back first, into the
+default partition (no month partition covers their time any more). Runs, debits and
+provenance are not touched; the roll-ups of the hours that lost rows
+(:mod:`ledger.storage.rollups`) go with them, so the totals over those hours read what is
+left.
 
 What ``/metrics`` counted of the dropped rows (attempts by route and state with their tokens,
 money and histograms, moves, capacity waits) is first added, in the same transaction, to the
@@ -77,16 +82,32 @@ _PG_RETENTION_LOCK = 0x1ED6E7
 
 _OPEN = tuple(v.value for v in (AttemptState.UNKNOWN, AttemptState.DISPATCHING))
 _LIVE = tuple(v.value for v in (RunStatus.ADMITTED, RunStatus.RUNNING))
-_SETS = {"open": list(_OPEN), "live": list(_LIVE), "actions": list(OPERATOR_ACTION_KINDS)}
-# The runs a retention run keeps whole: live, or with an open Attempt (sql, on any backend).
+_ENDED = tuple(v.value for v in RunStatus if v.value not in _LIVE)
+_SETS = {"open": list(_OPEN), "live": list(_LIVE), "ended": list(_ENDED),
+         "actions": list(OPERATOR_ACTION_KINDS)}
+
+
+def _leased(r: str = "") -> str:
+    """The SQL condition of an ended Run on ``runs`` (``r``: its alias and a dot, if any)
+    whose lease is live at ``:now`` (retention's clock): a session resumed it, taking its
+    lease before its first begin makes it ``running`` again, and numbers its next Attempt
+    from its rows. By status first, so a probe walks the (status, lease_expires_at) index."""
+    return (f"{r}status = ANY(:ended) AND {r}lease_holder IS NOT NULL "
+            f"AND {r}lease_expires_at > :now")
+
+
+# The runs a retention run keeps whole: live, resumed (a live lease), or with an open Attempt
+# (sql, on any backend).
 _HELD_RUNS = ("SELECT run_id FROM runs WHERE status = ANY(:live) "
+              f"UNION SELECT run_id FROM runs WHERE {_leased()} "
               "UNION SELECT run_id FROM attempts WHERE state = ANY(:open)")
 
 
 def _in(sql: str) -> str:
     """``sql`` with ``= ANY(:name)`` spelled for SQLite (``IN`` over an expanding list)."""
-    return sql.replace("= ANY(:live)", "IN :live").replace("= ANY(:open)", "IN :open") \
-        .replace("= ANY(:actions)", "IN :actions")
+    for name in _SETS:
+        sql = sql.replace(f"= ANY(:{name})", f"IN :{name}")
+    return sql
 
 
 class RetentionQueries:
@@ -177,7 +198,7 @@ class RetentionQueries:
                     gone = " WHERE kind <> ALL(:actions)" if table == "events" else ""
                     rows = int(conn.execute(text(f"SELECT count(*) FROM {rel} AS x{gone}"),
                                             {**_SETS, **args}).scalar_one())
-                    held = _held(conn, table, rel, args)
+                    held = _held(conn, table, rel, {**args, "now": now})
                     part = HistoryPart(table, p.name, p.since, p.until, rows, held)
                     (kept if held else dropped).append(part)
             actions = int(conn.execute(text(
@@ -196,6 +217,7 @@ class RetentionQueries:
                        and_(true(), *time_range(when, part.since, part.until)))
             if dropped:
                 _lock_as_writers_do(conn)
+                _still_unheld(conn, dropped, now, self.ctx.where)
             for part in dropped:
                 if part.table == "events":
                     conn.execute(text(f'ALTER TABLE events DETACH PARTITION "{part.partition}"'))
@@ -223,8 +245,11 @@ class RetentionQueries:
 
     def _rows(self, older_than_s: float, clock: ClockFn, by: str, reason: str,
               dry_run: bool) -> Retention:
-        cutoff = clock() - older_than_s
-        args: dict[str, Any] = {"cut": cutoff, **_SETS}
+        # One now for every slice: a lease live when the run began holds its Run's rows in each
+        # of them (a lease taken between two slices is refused: it sees the first's event).
+        now = clock()
+        cutoff = now - older_than_s
+        args: dict[str, Any] = {"cut": cutoff, "now": now, **_SETS}
         if dry_run:
             # A read transaction (one snapshot), not the write lock: it waits for no writer,
             # holds none up while it counts, and takes its turn with no retention run (it
@@ -307,7 +332,8 @@ def _spared(conn: Connection, args: dict[str, Any], cutoff: float
         n = _count(conn, table, _STAYING[table], args)
         if n:
             kept.append(HistoryPart(table, None, None, cutoff, n,
-                                    "rows of live runs or of runs with an open attempt"))
+                                    "rows of live or leased runs or of runs with an open "
+                                    "attempt"))
     return kept, _count(conn, "events", "created_at < :cut AND kind IN :actions", args)
 
 
@@ -345,6 +371,28 @@ def _lock_as_writers_do(conn: Connection) -> None:
     partition's ``DROP``/``DETACH``/``CREATE`` takes ``ACCESS EXCLUSIVE`` on its table."""
     conn.execute(text("LOCK TABLE runs IN EXCLUSIVE MODE"))
     conn.execute(text("LOCK TABLE attempts, events IN ACCESS EXCLUSIVE MODE"))
+
+
+def _still_unheld(conn: Connection, dropped: list[HistoryPart], now: float,
+                  where: str) -> None:
+    """Check again, holding the drops' locks, that no partition about to go holds a row of
+    a held Run, else fail (nothing dropped or recorded: the run's transaction rolls back).
+
+    The checks took no lock on ``runs``: a session may have resumed an ended Run of such a
+    partition since (its lease taken, maybe its first Attempt begun), having read no
+    ``retention`` event that passed its admission, as this run's is not committed yet.
+    From here on no write gets past a Run's row until the commit (``runs`` is held
+    ``EXCLUSIVE``), and a lease taken later reads this run's event once it commits and is
+    refused as trimmed: either retention sees the lease or the lease sees the trim."""
+    for part in dropped:
+        assert part.partition is not None  # a PostgreSQL run drops partitions
+        held = _held(conn, part.table, f'"{part.partition}"', {"now": now})
+        if held is not None:
+            raise DatabaseUnavailable(
+                f"database {where}: partition {part.partition} was to be dropped, but since "
+                f"retention checked it, it came to hold {held} (a session resumed an ended "
+                "Run of that month); nothing was dropped or recorded; run it again: it keeps "
+                "that partition", url=where, contention="40001")
 
 
 def _one_at_a_time(conn: Connection, where: str) -> None:
@@ -523,6 +571,11 @@ def _held(conn: Connection, table: str, rel: str, args: dict[str, Any]) -> str |
         f"AND EXISTS (SELECT 1 FROM {rel} x WHERE x.run_id = r.run_id)"), args).scalar_one()
     if n:
         reasons.append(f"rows of {n} live run(s)")
+    n = conn.execute(text(
+        f"SELECT count(DISTINCT r.run_id) FROM runs r WHERE {_leased('r.')} "
+        f"AND EXISTS (SELECT 1 FROM {rel} x WHERE x.run_id = r.run_id)"), args).scalar_one()
+    if n:
+        reasons.append(f"rows of {n} ended run(s) resumed under a live lease")
     n = conn.execute(text(
         f"SELECT count(DISTINCT o.run_id) FROM attempts o WHERE o.state = ANY(:open) "
         f"AND EXISTS (SELECT 1 FROM {rel} x WHERE x.run_id = o.run_id)"), args).scalar_one()
