@@ -133,14 +133,15 @@ def trimmed_refusal(run_id: str, status: str, admitted_at: float,
 
 
 def missing_refusal(run_id: str, calls_used: int, next_seq: int) -> InvalidState | None:
-    """Why a begin of ``run_id`` numbers no Attempt: its counters count more calls than it
-    has Attempts left (``None``: they do not).
+    """Why a begin of ``run_id`` numbers no Attempt (``None``: it may number one).
 
-    Every counted call is an Attempt with a ``seq`` of its own, so ``calls_used`` is never
-    above the highest ``seq`` (``next_seq - 1``) unless Attempts were dropped: the history of
-    a resumed Run that retention trimmed although its lease was taken (it keeps the rows of a
-    Run whose lease is live, and a lease taken after it is refused by
-    :func:`trimmed_refusal`). Both numbers are read by the begin anyway: no statement more.
+    Its counters count more calls than it has Attempts left. Every counted call is an Attempt
+    with a ``seq`` of its own, so ``calls_used`` is never above the highest ``seq``
+    (``next_seq - 1``) unless Attempts were dropped: the history of a resumed Run that
+    retention trimmed although its lease was taken (retention keeps the rows of a Run whose
+    lease is live by its own clock, and a lease taken after it is refused by
+    :func:`trimmed_refusal`), when the session's clock is behind retention's. Both numbers are
+    read by the begin anyway: no statement more.
     """
     if calls_used < next_seq:
         return None
