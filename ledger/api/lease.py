@@ -392,7 +392,10 @@ class LeaseKeeper(KeeperCore):
         """Stop renewing (the lease is kept until it expires) and wait for the thread."""
         self._stop.set()
         if self._thread is not None and self._thread is not threading.current_thread():
-            self._thread.join()
+            # Its start may have been interrupted (a KeyboardInterrupt in Thread.start's wait):
+            # the thread never ran, or runs now and finds the stop set before its first tick.
+            with contextlib.suppress(RuntimeError):
+                self._thread.join()
 
     def close(self, *, graceful: bool = True) -> None:
         """Stop renewing; with ``graceful``, also :meth:`~KeeperCore.shutdown_writes`.

@@ -671,6 +671,33 @@ def test_a_sync_entry_whose_adapter_cannot_be_built_gives_its_lease_back(
         _enters_at_once(db_url, clock, "r", fake)
 
 
+@pytest.mark.parametrize("started", [False, True])
+def test_a_sync_entry_interrupted_while_its_lease_keeper_starts_gives_the_lease_back(
+        db_url: str, fake: Any, monkeypatch: pytest.MonkeyPatch, started: bool) -> None:
+    # A Ctrl-C lands in Thread.start's wait for the keeper's thread: the thread never ran, or
+    # runs already. Either way the entry stops it and releases the lease it took.
+    start = threading.Thread.start
+
+    def interrupted(thread: threading.Thread) -> None:
+        if thread.name != "ledger-lease":
+            start(thread)
+            return
+        if started:
+            start(thread)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(threading.Thread, "start", interrupted)
+    clock = ManualClock(80_000.0)
+    with Ledger.open(db_url, clock=clock) as led:
+        with pytest.raises(KeyboardInterrupt) as caught, \
+                led.run("r", plan=plan(fake), budget=BUDGET, grant=GRANT):
+            pass  # pragma: no cover - the entry raised
+        assert not getattr(caught.value, "__notes__", None)  # given back: nothing to note
+        _given_back(led.get_run("r"))
+        monkeypatch.undo()
+        _enters_at_once(db_url, clock, "r", fake)
+
+
 def test_an_async_entry_failing_right_after_the_lease_commits_gives_it_back(
         db_url: str, fake: Any) -> None:
     # The async twin of the sync test above: the acquisition committed, then raised an
