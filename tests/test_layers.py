@@ -26,6 +26,7 @@ ROOMS: dict[str, str] = {
     "ledger.faults": "base",
     "ledger.clock": "base",
     "ledger.readiness": "base",
+    "ledger.forking": "base",
     "ledger.domain": "domain",
     "ledger.policy": "policy",
     "ledger.decide": "decide",

@@ -40,6 +40,10 @@ class Lru(Generic[K, V]):
         self._items: OrderedDict[K, V] = OrderedDict()
         self._lock = threading.Lock()
 
+    def forked(self) -> None:
+        """In a forked child: a new lock (a thread of the parent may have held it)."""
+        self._lock = threading.Lock()
+
     def get(self, key: K) -> V | None:
         """The value of ``key`` (now the most recently used), or ``None``."""
         with self._lock:

@@ -21,6 +21,7 @@ from ledger.api.face import (
 )
 from ledger.clock import Clock
 from ledger.domain.validation import checked, instance
+from ledger.forking import renew_in_child
 from ledger.storage.runner import in_own_thread
 
 log = logging.getLogger("ledger.session")
@@ -255,6 +256,12 @@ class AsyncLedger(AsyncFace["AsyncRunSession", _Opening]):
             "with AsyncLedger.open(url)")]) -> None:
         self.__dict__.update(vars(ledger))  # one database, clock, executor id and caches
         self.sync = ledger
+        renew_in_child(self)  # after its ledger, which it follows there
+
+    def _forked(self) -> None:
+        """In a forked child: what its ledger renewed there, shared again."""
+        for name in ("executor_id", "_open_sessions", "_open_sessions_lock", "_entries"):
+            setattr(self, name, getattr(self.sync, name))
 
     @classmethod
     def _open(cls, url: str, *, clock: Clock | None, executor_id: str | None,

@@ -131,6 +131,7 @@ from ledger.errors import (
     LedgerError,
     NotFound,
 )
+from ledger.forking import in_child, renew_in_child
 from ledger.policy.model import FROZEN, Policy
 from ledger.storage.runner import Flow, UnderWay, Workers, blocking
 
@@ -194,6 +195,14 @@ def _policy_hash(policy: Policy) -> str:
 _executors: weakref.WeakValueDictionary[tuple[str, str], Face[Any, Any]] = \
     weakref.WeakValueDictionary()
 _executors_lock = threading.Lock()
+
+
+@in_child
+def _forked_executors() -> None:
+    # Another thread of the parent may have held it at the fork; the table itself is renewed
+    # by each ledger (Face._forked), which takes a new id there.
+    global _executors_lock
+    _executors_lock = threading.Lock()
 
 
 def _executor_in_use(executor_id: str, where: str) -> InvalidArgument:
@@ -303,6 +312,9 @@ class Face(Generic[SessionT, OpenedT]):
         self._runs = RunQueries(store.context)
         self.clock: Clock = clock or SystemClock()
         self.executor_id = executor_id or new_id("exec")
+        # A default id is this process's own, and a forked child takes a new one; one the
+        # host passed is its promise to make it differ per process, and is kept.
+        self._own_executor_id = executor_id is None
         from ledger.storage import database_key
 
         # The database, not the URL's spelling: a path and its sqlite:/// URL are one.
@@ -339,6 +351,30 @@ class Face(Generic[SessionT, OpenedT]):
         # The sessions still entering, which the ledger's close waits for (a shared object, so
         # an AsyncLedger over this ledger counts and closes with it).
         self._entries = Entries(self._open_sessions_lock)
+        renew_in_child(self)
+
+    def _forked(self) -> None:
+        """In a forked child (:mod:`ledger.forking`): what is the parent's, let go of.
+
+        A new default executor id, for the parent's leases are not this process's; the
+        parent's Run sessions forgotten (their keepers and turns are the parent's threads);
+        new locks, which the parent's threads may have held at the fork. The store renews
+        its connections and threads itself.
+        """
+        old = (self.executor_id, self._database)
+        if self._own_executor_id:
+            self.executor_id = new_id("exec")
+        if _executors.get(old) is self:
+            del _executors[old]
+            _executors[(self.executor_id, self._database)] = self
+        for cache in (self._frozen_runs, self._reads, self._policies, self._begun):
+            cache.forked()
+        self._begun.drop_where(lambda _: True)  # Attempts the parent began: it settles them
+        closing = self._entries.closing
+        self._open_sessions = weakref.WeakValueDictionary()
+        self._open_sessions_lock = threading.Lock()
+        self._entries = Entries(self._open_sessions_lock)
+        self._entries.closing = closing
 
     @property
     def backend(self) -> str:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import secrets
 import threading
 import time
@@ -31,6 +30,7 @@ from ledger.domain.validation import (
     StrictModel,
     Text,
 )
+from ledger.forking import in_child
 
 # A route's endpoint is a URL. Only its size is bounded here: an endpoint that cannot make a
 # request is the adapter's `cannot_build` result (the Run skips that route), not misuse.
@@ -341,8 +341,9 @@ class _Uuid7:
 
 
 _UUID7 = _Uuid7()
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_UUID7.reset)
+# A forked child's ids must not follow its parent's last one (nor wait on a lock another
+# thread of the parent held): renewed before any ledger there takes a new executor id.
+in_child(_UUID7.reset)
 
 
 def uuid7_hex() -> str:

@@ -25,6 +25,7 @@ from sqlalchemy import URL, Connection, Engine, Select, event
 
 from ledger.domain.bounds import DEFAULT_LEASE_MARGIN_S
 from ledger.errors import DatabaseUnavailable
+from ledger.forking import abandon, renew_in_child
 from ledger.storage import schema as s
 from ledger.storage.encode import event_json
 from ledger.storage.engine import redact_url
@@ -61,6 +62,16 @@ class SqlContext(abc.ABC):
         # neither this context nor its engine, which would stay in memory with it.
         self._refusal = _Refusal(where)
         event.listen(engine, "do_connect", self._refusal)
+        renew_in_child(self)
+
+    def _forked(self) -> None:
+        """In a forked child: the engine lets go of the parent's connections without closing
+        them (SQLAlchemy's ``dispose(close=False)``; its old pool is abandoned, so that not
+        even a finalizer touches them: :mod:`ledger.forking`) and makes its own on first
+        use. A PostgreSQL engine holds none (NullPool: each is lent by the store's pool,
+        renewed itself)."""
+        abandon(self.engine.pool)
+        self.engine.dispose(close=False)
 
     # -- what differs between the databases ------------------------------------------------
 

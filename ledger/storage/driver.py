@@ -49,6 +49,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from ledger.errors import DatabaseUnavailable, LedgerError
+from ledger.forking import abandon, renew_in_child
 from ledger.storage.failure import closed_error, driver_error, stale_plan, standby_error
 from ledger.storage.groupcommit import GroupWriter
 
@@ -167,6 +168,19 @@ class SqliteDriver:
         # closes it when the transaction ends (closing a connection another thread is
         # executing on can crash the process).
         self._using: set[sqlite3.Connection] = set()
+        renew_in_child(self)
+
+    def _forked(self) -> None:
+        """In a forked child: SQLite forbids using a connection opened before the fork, and
+        closing one may roll back or checkpoint under the parent's, so each is abandoned
+        (:mod:`ledger.forking`) with the parent's writer and reader threads; this process
+        opens its own connections, and starts its own threads, on first use."""
+        abandon(self._all, self._writer, self._reader, getattr(self._local, "conn", None))
+        self._local = threading.local()
+        self._all = []
+        self._writer = self._reader = None
+        self._using = set()
+        self._lock = threading.Lock()
 
     def connection(self) -> sqlite3.Connection:
         """This thread's connection, opened on first use (never once the driver closed).

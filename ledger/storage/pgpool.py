@@ -54,6 +54,7 @@ import time
 import weakref
 from typing import Any
 
+from ledger.forking import abandon, in_child, renew_in_child
 from ledger.readiness import peer_spoke
 from ledger.storage.failure import closed_error
 
@@ -101,6 +102,14 @@ class _Own:
 
 
 _OWN = _Own()
+
+
+@in_child
+def _forked_own() -> None:
+    # A forked child's pools hold none of these (PgPool._forked): the parent's backends are
+    # another process's, whose notifications the child's listener must hear.
+    global _OWN
+    _OWN = _Own()
 
 
 def own_pids(where: str) -> frozenset[int]:
@@ -308,6 +317,24 @@ class PgPool:
         self._used_at = 0.0
         self._loops: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Loop] = (
             weakref.WeakKeyDictionary())
+        renew_in_child(self)
+
+    def _forked(self) -> None:
+        """In a forked child: every connection of the parent's pools is the parent's (a
+        socket both processes wrote to would interleave their messages and hand each the
+        other's replies), and the pools' workers do not exist here. They are abandoned,
+        never used nor closed (a close sends the server a Terminate over the parent's
+        socket, ending the parent's session: :mod:`ledger.forking`); the next checkout
+        connects anew, as on a first use, and its pool is this process's own. A closed
+        store stays closed."""
+        abandon(self._pool, *((side, side.pool, list(side.made))
+                              for side in list(self._loops.values())))
+        self._pool = None
+        self._loops = weakref.WeakKeyDictionary()
+        self._proven = False
+        self._used_at = 0.0
+        self._lock = threading.Lock()
+        self._probing = threading.Lock()
 
     def _settings(self) -> dict[str, Any]:
         return {

@@ -33,6 +33,7 @@ from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass
 from typing import Any, Generic, ParamSpec, TypeVar
 
+from ledger.forking import abandon, in_child, renew_in_child
 from ledger.storage.driver import Driver, Tx
 from ledger.storage.failure import closed_error
 
@@ -46,6 +47,12 @@ WORKERS_MAX = min(32, (os.cpu_count() or 1) + 4)
 # Which Workers (if any) the current thread belongs to: a close from one of its own threads
 # cannot wait for itself.
 _MINE = threading.local()
+
+
+@in_child
+def _forked_mine() -> None:
+    global _MINE
+    _MINE = threading.local()  # the forking thread may have been one of a store's
 
 
 class Workers:
@@ -66,6 +73,14 @@ class Workers:
         self.max_workers = max_workers
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._closed = False
+        self._lock = threading.Lock()
+        renew_in_child(self)
+
+    def _forked(self) -> None:
+        """In a forked child: the parent's threads do not exist here, and their pool is
+        abandoned (:mod:`ledger.forking`); the first call starts this process's own."""
+        abandon(self._pool)
+        self._pool = None
         self._lock = threading.Lock()
 
     async def call(self, fn: Callable[P, T], /, *args: P.args, **kwargs: P.kwargs) -> T:

@@ -96,6 +96,7 @@ from ledger.errors import (
     NotFound,
     SettleConflict,
 )
+from ledger.forking import renew_in_child
 from ledger.storage import hot
 from ledger.storage.context import ClockFn, SqlContext
 from ledger.storage.driver import Driver, Tx
@@ -271,6 +272,14 @@ class Store:
         #: Begins under way: the close waits for them before it gives up the places that
         #: they may take (a begin whose transaction commits after the close has left the
         #: queues would otherwise take a place nobody gives up).
+        self._begins = UnderWay()
+        renew_in_child(self)
+
+    def _forked(self) -> None:
+        """In a forked child (:mod:`ledger.forking`): the parent's unresolved writes and
+        begins under way are its own, made under its executor id, and resolved by it; this
+        process starts with none. Its driver, workers and waker renew themselves."""
+        self.pending = Pending()
         self._begins = UnderWay()
 
     def close(self) -> None:

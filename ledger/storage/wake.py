@@ -70,6 +70,8 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from ledger.forking import in_child, renew_in_child
+
 log = logging.getLogger("ledger.storage")
 
 #: How long the waiter that opens the listening connection waits for it to listen: the begin
@@ -247,6 +249,14 @@ class _Registry:
 _REGISTRY = _Registry()
 
 
+@in_child
+def _forked_registry() -> None:
+    # The parent's waiters wait in the parent: left here, they would be the earliest of
+    # their groups, and this process's own would wait for their turn.
+    global _REGISTRY
+    _REGISTRY = _Registry()
+
+
 def poke(key: str, group: str | None) -> int:
     """Wake this process's earliest waiter of ``group`` not woken yet, on the database named
     ``key`` (a store's :attr:`SlotWaker.key`, its context's ``where``): one slot of the group
@@ -298,6 +308,12 @@ class SlotWaker:
         #: This store's waiters (the registry is the process's): waiter id -> group, for the
         #: store's close to give up their places (:meth:`queued`).
         self._mine: dict[str, str] = {}
+        self._mine_lock = threading.Lock()
+        renew_in_child(self)
+
+    def _forked(self) -> None:
+        """In a forked child: the parent's waiters are not this process's."""
+        self._mine = {}
         self._mine_lock = threading.Lock()
 
     def poke(self, group: str | None) -> None:
@@ -550,6 +566,21 @@ class _Channels:
 
 
 _CHANNELS = _Channels()
+
+
+@in_child
+def _forked_channels() -> None:
+    # The listening threads are the parent's and do not exist here; their connection, a
+    # local of such a thread, is the parent's too, and psycopg ends a connection only in the
+    # process that opened it. Each channel of an open store starts a listener of this
+    # process when a waiter here needs one.
+    _CHANNELS.lock = threading.Lock()
+    for channel in _CHANNELS.by_key.values():
+        channel.lock = threading.Lock()
+        channel.thread = None
+        channel.threads = []
+        channel.stop = _Stop()
+        channel.ready = threading.Event()
 
 
 __all__ = ["IDLE_POLLS", "LISTEN_CHECK_S", "LISTEN_READY_S", "Listener", "SlotWaker", "Stopping",
