@@ -673,25 +673,42 @@ class TurnLoop:
                 raise InvalidArgument(
                     f"send returned {type(result).__name__}, not a SendResult: {fix}",
                     field="send", attempt_id=att.attempt_id)
-            # Inside the try: an interruption raised here (a KeyboardInterrupt, a fault) is one
-            # after the request left and is settled unknown on the way out like any other; a
-            # process killed here leaves the Attempt dispatching for recovery.
-            faults.point("dispatch.after_send")
         except GeneratorExit:
             raise  # closed with no driver left: recovery settles it
         except BaseException:
             yield from self._settle_interrupted(route, profile, att, dispatch,
                                                 repeat=attempt.retries > 0)
             raise
-        if result.ok:
+        repeat = attempt.retries > 0
+        # The answer is in hand from here: an interruption before its settle is written (a
+        # KeyboardInterrupt, a fault, a cancellation raised by the host's clock) settles it as
+        # answered, not unknown, then propagates.
+        try:
+            faults.point("dispatch.after_send")
             # A failover's success under a user pin leaves the session on its pinned profile.
-            done = yield from self._settle_success(
-                route, profile, att, result, dispatch.progress,
-                keep_profile=keeps_pinned_profile(self.pin, snap.run.current_profile, profile))
-            turn.attempts.append(done)
-            return RunResult(result.output, route, profile, done, turn.attempts, turn.resets,
+            keep = keeps_pinned_profile(self.pin, snap.run.current_profile, profile)
+            if result.ok:
+                settled = yield from self._settle_success(route, profile, att, result,
+                                                          dispatch.progress, keep_profile=keep)
+            else:
+                fact, now = yield from self._fact_of(result, dispatch)
+                # A same-route retry's failure was counted with the request's first: not again.
+                settled = yield from self._settle_failure(
+                    route, profile, att, fact, result, now, repeat=repeat,
+                    times=dispatch.progress.since(att.created_at))
+        except (GeneratorExit, LedgerError):
+            # Closed with no driver left (recovery settles it), or the settle's own refusal
+            # (a database away, a lost lease), which says what becomes of it.
+            raise
+        except BaseException:
+            yield from self._settle_answered(route, profile, att, result, dispatch,
+                                             repeat=repeat, current=snap.run.current_profile)
+            raise
+        if result.ok:
+            turn.attempts.append(settled)
+            return RunResult(result.output, route, profile, settled, turn.attempts, turn.resets,
                              list(result.parts))
-        return (yield from self._failed(turn, attempt, route, profile, att, result, dispatch))
+        return (yield from self._failed(turn, route, profile, att, result, fact, settled))
 
     def _lapsed_since_begin(self, att: AttemptRecord, now: float, lease: Lease
                             ) -> LeaseLost | None:
@@ -728,15 +745,10 @@ class TurnLoop:
         now = yield from perform(Now())
         return classify(obs, self._policy, now=now), now
 
-    def _failed(self, turn: _Turn, attempt: _Try, route: Route, profile: str | None,
-                att: AttemptRecord, result: SendResult, dispatch: Dispatch
+    def _failed(self, turn: _Turn, route: Route, profile: str | None, att: AttemptRecord,
+                result: SendResult, fact: FailureFact, settled: AttemptRecord
                 ) -> Generator[Effect[Any], Any, _Failed]:
-        """Classify and settle a failed send; tell the caller what it must discard."""
-        fact, now = yield from self._fact_of(result, dispatch)
-        # A same-route retry's failure was counted with the request's first: not again.
-        settled = yield from self._settle_failure(route, profile, att, fact, result, now,
-                                                  repeat=attempt.retries > 0,
-                                                  times=dispatch.progress.since(att.created_at))
+        """A failed send, classified and settled: tell the caller what it must discard."""
         if fact.effective_output and result.partial_text:
             turn.partial = PartialOutput(result.partial_text, att.attempt_id, route.id)
         turn.attempts.append(settled)
@@ -1145,6 +1157,37 @@ class TurnLoop:
         yield from self._settle_quietly(route, profile, att.attempt_id, Outcome.UNKNOWN, fact,
                                         times=progress.since(att.created_at))
 
+    def _settle_answered(self, route: Route, profile: str | None, att: AttemptRecord,
+                         result: SendResult, dispatch: Dispatch, *, repeat: bool,
+                         current: str | None) -> Generator[Effect[Any], Any, None]:
+        """The send returned ``result``, and an interruption cut its settle short: settle it.
+
+        The answer is known, so the Attempt is settled as it says (an answer with its usage, a
+        failure with its facts), as :meth:`_attempt` would have (``repeat``: a same-route
+        retry's; ``current``: the Run's profile when the turn began), not ``unknown``: what
+        the interruption cut short (classification, the settle's content) is computed again,
+        pure as it is. No ``reset`` notice: the caller is leaving with its own exception. A
+        settle that cannot be written is left as :meth:`_quietly` says; a second interruption
+        here propagates, and the Attempt is left to the session's exit or to recovery.
+        """
+        try:
+            if result.ok:
+                keep = keeps_pinned_profile(self.pin, current, profile)
+                settle = self._settle_success(route, profile, att, result, dispatch.progress,
+                                              keep_profile=keep)
+            else:
+                fact, now = yield from self._fact_of(result, dispatch)
+                settle = self._settle_failure(route, profile, att, fact, result, now,
+                                              repeat=repeat,
+                                              times=dispatch.progress.since(att.created_at))
+            yield from self._quietly(att.attempt_id, settle)
+        except Exception as e:
+            # Not the interruption: the answer itself broke the rules that settle it (a
+            # defect). Settled as an interrupted send would be, so nothing is left dispatching.
+            log.warning("settle of %s on interruption could not be made from its answer (%s); "
+                        "settled as interrupted", att.attempt_id, e)
+            yield from self._settle_interrupted(route, profile, att, dispatch, repeat=repeat)
+
     def _settle_quietly(self, route: Route, profile: str | None, attempt_id: str,
                         outcome: Outcome, fact: FailureFact | None = None, *,
                         times: tuple[float | None, float | None] = (None, None),
@@ -1171,6 +1214,12 @@ class TurnLoop:
             # record stands, and there is nothing left for recovery.
             log.info("attempt %s was settled before its interruption was: %s", attempt_id, e)
         except LedgerError as e:
+            if e.fields.get("state") == AttemptState.REJECTED.value:
+                # Its begin was refused (capacity): it holds nothing and was never sent, so
+                # there is nothing to settle and nothing for recovery to do.
+                log.debug("attempt %s was rejected before dispatch: nothing to settle on "
+                          "interruption, nor for recovery", attempt_id)
+                return
             later = ("this process writes it once the database answers again, or recovery "
                      "settles it" if e.fields.get("deferred") else "recovery settles it")
             log.warning("settle of %s on interruption not written (%s): %s", attempt_id, later,

@@ -650,7 +650,7 @@ def settle_tx(sql: Statements, run_id: str, spec: SettleSpec, clock: ClockFn) ->
     if att.state == AttemptState.REJECTED.value:
         raise InvalidState(
             f"attempt {spec.attempt_id!r} was rejected before dispatch; nothing to settle",
-            attempt_id=spec.attempt_id,
+            attempt_id=spec.attempt_id, state=AttemptState.REJECTED.value,
         )
     if att.state != AttemptState.DISPATCHING.value:
         if att.settle_hash == spec.settle_hash:

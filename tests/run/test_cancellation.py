@@ -275,15 +275,17 @@ def test_interrupt_after_begin_voids_the_attempt(db_url: str, fake: FakeProvider
     led.close()
 
 
-def test_interrupt_after_the_request_left_is_unknown_with_its_hold(db_url: str,
-                                                                  fake: FakeProvider) -> None:
-    # Between the answer and its settle: the request left, so the Attempt is unknown (it was
-    # left dispatching, its hold and slot kept, and the lease could not be released).
+def test_interrupt_after_the_answer_arrived_settles_it_as_answered(db_url: str,
+                                                                   fake: FakeProvider) -> None:
+    # Between the answer and its settle: the answer is in hand, so the Attempt is settled as
+    # it says (succeeded, its usage posted), not unknown; every other point of that window is
+    # in tests/session/test_interrupt_after_answer.py.
     faults.arm("dispatch.after_send", _interrupt)
     led, lease, err = _run_sync(db_url, fake, stream=False, behavior=Behavior())
     assert isinstance(err, KeyboardInterrupt)
     assert len(fake.requests) == 1
-    _assert_truthful(led, lease, AttemptState.UNKNOWN)
+    _assert_truthful(led, lease, AttemptState.SUCCEEDED)
+    assert led.timeline("r")[0].debit_state is DebitState.POSTED
     led.close()
 
 
