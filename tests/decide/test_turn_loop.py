@@ -8,10 +8,13 @@ Attempt it records, the Send with what the provider said, and checks the next ef
 from __future__ import annotations
 
 import contextlib
+import logging
 import random
 from dataclasses import replace
 from decimal import Decimal
 from typing import Any
+
+import pytest
 
 from ledger.decide.effects import (
     Begin,
@@ -42,7 +45,7 @@ from ledger.domain.records import (
     RunStatus,
 )
 from ledger.domain.values import Budget, Grant, Price, Route
-from ledger.errors import FailoverExhausted
+from ledger.errors import FailoverExhausted, InvalidState
 from ledger.policy.load import policy_hash, preset
 
 POLICY = preset("failure-domain")
@@ -186,3 +189,29 @@ def test_a_stop_raises_failover_exhausted_holding_every_attempts_error() -> None
         assert stop.exceptions and stop.reason
     else:
         raise AssertionError("a turn whose every route refuses the key must stop")
+
+
+def test_an_interrupted_begin_that_was_rejected_leaves_nothing_said_to_await_recovery(
+        caplog: pytest.LogCaptureFixture) -> None:
+    # The interruption reaches the loop at its begin (a write whose outcome the driver could not
+    # learn), so the loop settles the Attempt not_sent, in case the begin committed; the store
+    # answers that the begin was rejected (as it does: tests/storage/test_write_path.py). A
+    # rejected Attempt holds nothing and was never sent: nothing is left for recovery either,
+    # and nothing is logged above DEBUG that says otherwise.
+    caplog.set_level(logging.DEBUG, logger="ledger")
+    steps = loop().steps()
+    driver = Driver({})
+    eff = steps.send(None)
+    while not isinstance(eff, Begin):
+        eff = steps.send(driver.answer(eff))
+    eff = steps.throw(KeyboardInterrupt())
+    while not isinstance(eff, Settle):
+        eff = steps.send(driver.answer(eff))
+    assert eff.outcome is Outcome.NOT_SENT
+    rejected = InvalidState(f"attempt {eff.attempt_id!r} was rejected before dispatch; nothing "
+                            "to settle", attempt_id=eff.attempt_id, state="rejected")
+    with pytest.raises(KeyboardInterrupt):
+        steps.throw(rejected)
+    assert not [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert any(eff.attempt_id in r.getMessage() and "nothing to settle" in r.getMessage()
+               for r in caplog.records)

@@ -261,6 +261,11 @@ def test_capacity_rejection_is_recorded_and_hold_voided(led: Ledger, clock: Manu
     assert led.debit(rej.debit_id).state is DebitState.VOIDED
     run2 = led.get_run("r2")
     assert run2.calls_used == 0 and run2.reserved == 0
+    # A settle of it is refused, saying so (a turn interrupted at its begin then knows there is
+    # nothing to settle, nor anything for recovery to do).
+    with pytest.raises(InvalidState) as nothing:
+        led.settle_attempt(l2, rej.attempt_id, outcome="not_sent")
+    assert nothing.value.fields["state"] == "rejected"
     # Another group is independent.
     led.begin_attempt(l2, route="c", envelope_hash="sha256:e", reserve="0.1")
     led.settle_attempt(l1, held.attempt_id, outcome="succeeded", cost="0")
