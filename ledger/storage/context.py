@@ -16,7 +16,9 @@ No query asks which database it runs on.
 from __future__ import annotations
 
 import abc
+import contextlib
 import math
+import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from typing import Any, ClassVar
@@ -62,6 +64,11 @@ class SqlContext(abc.ABC):
         # neither this context nor its engine, which would stay in memory with it.
         self._refusal = _Refusal(where)
         event.listen(engine, "do_connect", self._refusal)
+        # A connection never goes back to the pool, nor is closed, with a statement of its own
+        # still live (_keep_cursor). Plain functions: they hold nothing of the context.
+        event.listen(engine, "before_cursor_execute", _keep_cursor)
+        event.listen(engine.pool, "reset", _close_cursors_on_reset)
+        event.listen(engine.pool, "close", _close_cursors_on_close)
         renew_in_child(self)
 
     def _forked(self) -> None:
@@ -201,12 +208,10 @@ class SqlContext(abc.ABC):
         """
         committing = False
         try:
-            with mapped(self.where), self.engine.connect() as conn:
-                conn = conn.execution_options(ledger_write=True)
-                with conn.begin():
-                    yield conn
-                    # The block is done: what raises from here on is the COMMIT's.
-                    committing = True
+            with mapped(self.where), self._transaction(ledger_write=True) as conn:
+                yield conn
+                # The block is done: what raises from here on is the COMMIT's.
+                committing = True
         except DatabaseUnavailable as e:
             if committing and self.commit_unknown(e.__cause__ or e):
                 e.fields["commit"] = "unknown"
@@ -215,8 +220,33 @@ class SqlContext(abc.ABC):
     @contextmanager
     def reading(self) -> Iterator[Connection]:
         """One read transaction."""
-        with mapped(self.where), self.engine.connect() as conn, conn.begin():
+        with mapped(self.where), self._transaction() as conn:
             yield conn
+
+    @contextmanager
+    def _transaction(self, **options: Any) -> Iterator[Connection]:
+        """One transaction on a connection of the engine (``options``: its execution options).
+
+        One that an interruption ends (a :class:`BaseException` that is no
+        :class:`Exception`: ``KeyboardInterrupt``, ``SystemExit``, a cancellation delivered to
+        the thread) is rolled back and its connection is invalidated, not given back to the
+        pool as it is: the interruption may have landed anywhere, in the driver's call or in
+        SQLAlchemy's rollback itself, and a host that catches it goes on using the ledger.
+        Its cursors are closed first (:func:`_close_cursors`): a SQLite connection closed with
+        a statement still live stays open underneath, holding its transaction's locks for as
+        long as the traceback holds the cursor (for good in a REPL or a notebook, which keep
+        the last one), and every later write waits out the busy timeout.
+        """
+        with self.engine.connect() as conn:
+            if options:
+                conn = conn.execution_options(**options)
+            try:
+                with conn.begin():
+                    yield conn
+            except BaseException as e:
+                if not isinstance(e, Exception) and not conn.invalidated:
+                    conn.invalidate()  # its cursors are closed first (_close_cursors_on_close)
+                raise
 
     def add_event(self, conn: Connection, run_id: str | None, attempt_id: str | None, kind: str,
                   data: Mapping[str, Any], now: float) -> None:
@@ -232,6 +262,49 @@ class SqlContext(abc.ABC):
         self._refusal.closed = True
         with mapped(self.where):
             self.engine.dispose()
+
+
+#: Where a connection's pool record keeps the cursors its statements ran on (weakly).
+_CURSORS = "ledger_cursors"
+
+
+def _keep_cursor(conn: Connection, cursor: Any, *_execute: Any) -> None:
+    """A ``before_cursor_execute`` listener: remember the cursor a statement runs on, so that
+    one whose result was never read to its end can be closed before its connection is reused
+    or closed (:func:`_close_cursors`). Weakly: a result read to its end lets go of it."""
+    cursors = conn.info.get(_CURSORS)
+    if cursors is None:
+        cursors = conn.info[_CURSORS] = weakref.WeakSet()
+    cursors.add(cursor)
+
+
+def _close_cursors(record: Any) -> None:
+    """Close the cursors still open on the connection of pool record ``record``.
+
+    A result left unread holds a live statement: an interruption that lands between a
+    statement and the read of its rows (SQLAlchemy invalidates the connection for one that
+    lands in the driver's call) leaves it in the traceback, which a host that catches the
+    interruption may keep for good (``sys.last_traceback``). On SQLite, such a statement keeps
+    the connection's read snapshot after a ``ROLLBACK``, so its next ``BEGIN IMMEDIATE`` is
+    refused ``database is locked``; closed with it, the connection is not closed at all (a
+    "zombie" until the statement is finalized) and keeps its write transaction, whose lock
+    every other connection, of any process, then waits for. Closing the cursor resets the
+    statement; on PostgreSQL (rows fetched as the statement ran) it frees the rows only."""
+    cursors = record.info.pop(_CURSORS, None)
+    for cursor in list(cursors or ()):
+        with contextlib.suppress(Exception):  # one of a closed connection: nothing to let go
+            cursor.close()
+
+
+def _close_cursors_on_reset(_dbapi_conn: Any, record: Any, _state: Any) -> None:
+    """A pool ``reset`` listener: a connection goes back to the pool with no cursor open."""
+    _close_cursors(record)
+
+
+def _close_cursors_on_close(_dbapi_conn: Any, record: Any) -> None:
+    """A pool ``close`` listener (invalidation included): a connection is closed, for good,
+    with no cursor open."""
+    _close_cursors(record)
 
 
 class _Refusal:

@@ -266,17 +266,20 @@ class SqliteDriver:
                 raise closed_error(self.path)
             self._using.add(conn)
         try:
-            self.begin(conn, write=write, wait_s=wait_s)
             try:
+                self.begin(conn, write=write, wait_s=wait_s)
                 result = _feed(conn, tx, None)
+                if conn.in_transaction:
+                    conn.execute("COMMIT")
             except BaseException:
+                # Whatever cuts the transaction short, an interruption landing after its BEGIN
+                # or as its COMMIT is sent included, ends it here: left open, the thread's
+                # connection would hold the write lock every other writer waits for, and its
+                # next BEGIN would be refused.
                 _rollback(conn)
                 raise
-            if conn.in_transaction:
-                conn.execute("COMMIT")
             return result
         except sqlite3.Error as e:
-            _rollback(conn)
             raise driver_error(e, self.path) from e
         finally:
             with self._lock:
