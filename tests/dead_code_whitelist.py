@@ -19,6 +19,9 @@ _.__signature__  # api/calls.py: inspect.signature reads a bound operation's sig
 _.__call__  # api/calls.py: an op or query read on its class is callable as an unbound method is
 #            (Ledger.get_run(led, ...)), so inspect.signature and help() read its __signature__
 _.derive  # errors.py: ExceptionGroup.derive, called by except* when it splits the group
+# forking.py: module state renewed in a forked child, registered with @in_child and called
+# through os.register_at_fork
+_._forked_executors, _._forked_own, _._forked_mine, _._forked_registry, _._forked_channels
 
 # -- hooks of the libraries we build on -------------------------------------------------------
 _.__pydantic_base_init__  # domain/validation.py: pydantic reads it off a model's __init__
@@ -37,6 +40,7 @@ _.close_stream  # StreamedResponse.close_stream, called when the agent stops ear
 _.provider_url  # StreamedResponse.provider_url, read by pydantic-ai
 _.failed_attempts  # ModelResponse.failed_attempts (docs/integrations/pydantic-ai.md)
 _.collect  # dashboard/metrics.py: prometheus-client's registry calls a Collector's collect
+_.prepare_threshold  # storage/pgpool.py: psycopg reads it off a connection
 _.set_cookie, _.extract_cookies, _.cookie  # adapters/transport.py: httpx's Cookies call _NoCookies'
 # integrations/langchain.py: LangChain's BaseChatModel and AgentMiddleware interface
 _._llm_type, _._identifying_params  # read by LangChain for tracing and caching keys
