@@ -42,6 +42,7 @@ INVARIANTS: dict[int, tuple[str, ...]] = {
         "tests/storage/test_lease_liveness.py::test_invariant3_settle_after_a_takeover_is_a_late_receipt_that_changes_no_row",
         "tests/storage/test_lease_liveness.py::test_invariant3_reacquired_run_refuses_settles_of_the_older_fence",
         "tests/storage/test_lease_liveness.py::test_invariant3_a_begin_that_waited_for_the_lock_is_judged_when_it_got_it",
+        "tests/session/test_fork_after_open.py::test_a_forked_child_is_an_executor_of_its_own_so_one_of_parent_and_child_holds_a_run",
     ),
     # 4. Budgets and allowances are never overdrawn; children come out of their parent.
     4: (
