@@ -113,6 +113,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import reprlib
 import ssl
 from collections.abc import Callable, Mapping
@@ -121,6 +122,7 @@ from decimal import Decimal
 from typing import Annotated, Any, Unpack
 from urllib.parse import urlsplit
 
+import httpcore
 import httpx
 from typing_extensions import TypedDict
 
@@ -208,11 +210,16 @@ _BAD_PAYLOAD = (ValueError, TypeError, KeyError, AttributeError, IndexError, Rec
 
 
 class _CannotBuild(Exception):
-    """The route's configuration cannot make a request; ``message`` says what and the fix."""
+    """The route's configuration cannot make a request; ``message`` says what and the fix.
 
-    def __init__(self, message: str) -> None:
+    ``secret`` is the credential resolved before the problem was found, redacted from the
+    message with the registered ones.
+    """
+
+    def __init__(self, message: str, secret: str | None = None) -> None:
         super().__init__(message)
         self.message = message
+        self.secret = secret
 
 
 class _Progress:
@@ -267,11 +274,49 @@ class _Progress:
             self.request_sent = True
             if self.report is not None:
                 self.report.sent = True
+        elif name == "http11.send_request_headers.failed" and isinstance(
+                info.get("exception"), httpcore.LocalProtocolError):
+            # h11 checks the request's head as it serialises it, and the head is written in one
+            # write after that: a head it refused never left (a write that failed is a
+            # WriteError). A proxy's CONNECT never marked the request sent.
+            self.request_sent = False
+            if self.report is not None:
+                self.report.sent = False
         elif name.endswith("receive_response_headers.complete"):
             if self.tunnelling:
                 self.tunnelling = False
                 return
             self.headers()
+
+
+# RFC 9110: a field name is a token; a value is visible characters with spaces or tabs
+# between them. httpx writes both as ASCII (and h11, which refuses the rest, does so only as the
+# request starts to go out).
+_HEADER_NAME = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
+_HEADER_VALUE = re.compile(r"(?:[\x21-\x7e]+(?:[ \t]+[\x21-\x7e]+)*)?")
+# The adapter frames the body it encoded: a codec's own framing would contradict it.
+_FRAMING_HEADERS = frozenset({"content-length", "transfer-encoding"})
+
+
+def _header_problem(name: object, value: object) -> str | None:
+    """What makes ``name: value`` a header no request can carry (never quoting the value)."""
+    if not isinstance(name, str) or not _HEADER_NAME.fullmatch(name):
+        return ("is not an HTTP token (ASCII letters, digits and !#$%&'*+-.^_`|~ only: no "
+                "spaces, colons or control characters)")
+    if name.lower() in _FRAMING_HEADERS:
+        return "the adapter sets itself from the body it encodes"
+    if not isinstance(value, str):
+        return f"has a value of type {type(value).__name__}, not text"
+    if _HEADER_VALUE.fullmatch(value):
+        return None
+    if "\r" in value or "\n" in value:
+        return "has a CR or LF in its value (it would start another header)"
+    if any((ord(c) < 0x20 and c != "\t") or ord(c) == 0x7F for c in value):
+        return "has a NUL or another control character in its value"
+    if not value.isascii():
+        return ("has non-ASCII characters in its value (header text is ASCII: percent-encode "
+                "them or leave them out)")
+    return "has leading or trailing whitespace in its value"
 
 
 _KEEP_HEADER_VALUE = 256
@@ -622,6 +667,39 @@ class HttpAdapter:
                 "without lone surrogates) in Envelope.params and parts"
             ) from None
 
+    @staticmethod
+    def _codec_method(route: Route, codec: Codec, method: str) -> str:
+        """Who made a request: the route and the codec's method, for a message."""
+        return (f"route {route.id!r}: {type(codec).__name__}.{method} (the "
+                f"{route.protocol.value!r} codec)")
+
+    @classmethod
+    def _check_headers(cls, route: Route, codec: Codec, method: str, headers: object,
+                       secret: str | None) -> dict[str, str]:
+        """``headers`` as the request will carry them, or _CannotBuild naming the bad one.
+
+        httpx writes header text as ASCII and h11 refuses a name that is not a token and a
+        value with a line break, a NUL or surrounding whitespace, but only once the request
+        has begun to go out: found here, before anything is sent, it is the codec's problem
+        and the route's ``cannot_build``, not a request that may have left. A value is never
+        shown: a credential header's value is the secret.
+        """
+        where = cls._codec_method(route, codec, method)
+        fix = f"fix {type(codec).__name__}.{method} to make a valid header, or leave it out"
+        if not isinstance(headers, Mapping):
+            raise _CannotBuild(f"{where} returned headers that are not a mapping of name to text "
+                               f"({type(headers).__name__}); {fix}", secret)
+        out: dict[str, str] = {}
+        for name, value in headers.items():
+            problem = _header_problem(name, value)
+            if problem is not None:
+                shown = (repr(cap_text(redact(name, [secret]), 80)) if isinstance(name, str)
+                         else f"<{type(name).__name__}>")
+                raise _CannotBuild(f"{where} makes header {shown}, which {problem}; {fix}",
+                                   secret)
+            out[name] = value
+        return out
+
     def _prepare(
         self, route: Route, envelope: Envelope, profile_id: str | None, attempt_id: str | None
     ) -> tuple[Codec, str | None, WireRequest, bytes, dict[str, str]]:
@@ -635,14 +713,36 @@ class HttpAdapter:
         # codec joins to the endpoint's, so the codec sees the endpoint without it.
         base, _, query = (route.endpoint or "").partition("?")
         at = route.model_copy(update={"endpoint": base}) if base != route.endpoint else route
-        wire = codec.build_request(at, envelope)  # envelope misuse raises InvalidArgument
+        try:
+            wire = codec.build_request(at, envelope)
+        except InvalidArgument:
+            raise  # envelope misuse: the caller's, as preflight finds it
+        except Exception as exc:
+            # A host's codec that fails on this route fails every request on it: a route that
+            # cannot build, which the Run skips, never an exception out of the turn.
+            raise _CannotBuild(
+                f"{self._codec_method(route, codec, 'build_request')} failed "
+                f"({type(exc).__name__}: {exc}); fix the codec, or take the route out of the "
+                "plan") from exc
+        if not isinstance(wire, WireRequest):
+            raise _CannotBuild(
+                f"{self._codec_method(route, codec, 'build_request')} returned "
+                f"{type(wire).__name__}, not a WireRequest; fix the codec")
         if query:
             wire = replace(wire, url=wire.url + ("&" if "?" in wire.url else "?") + query)
         secret = self._secret(route, profile_id)
         content = self._encode(route, wire.body)
-        headers = dict(wire.headers)
+        headers = self._check_headers(route, codec, "build_request", wire.headers, secret)
         if secret is not None:
-            headers.update(codec.auth_headers(secret))
+            try:
+                auth = codec.auth_headers(secret)
+            except Exception as exc:
+                # Its text may carry the secret it was given: redacted with it (_cannot_build).
+                raise _CannotBuild(
+                    f"{self._codec_method(route, codec, 'auth_headers')} failed "
+                    f"({type(exc).__name__}: {exc}); fix the codec, or take the route out of "
+                    "the plan", secret) from exc
+            headers.update(self._check_headers(route, codec, "auth_headers", auth, secret))
         if attempt_id is not None:
             # Last, and refused rather than merged when a codec's own header has the same
             # name: the value the ledger recorded with the Attempt is the one that is sent.
@@ -653,7 +753,7 @@ class HttpAdapter:
                     f"route {route.id!r}: the {route.protocol.value!r} codec sets its own "
                     f"{exc.fields.get('header')!r} header, which carries the Attempt's id (the "
                     "value recorded with it); remove that header from the codec's request or "
-                    "credential headers") from None
+                    "credential headers", secret) from None
         return codec, secret, wire, content, headers
 
     @staticmethod
@@ -749,7 +849,7 @@ class HttpAdapter:
             codec, secret, wire, content, headers = self._prepare(route, envelope, profile_id,
                                                                   attempt_id)
         except _CannotBuild as cb:
-            result = self._cannot_build(route, cb.message, driver.now() - t0)
+            result = self._cannot_build(route, cb.message, driver.now() - t0, cb.secret)
             self._log(route, result)
             return result
         for note in wire.notes:
@@ -796,11 +896,21 @@ class HttpAdapter:
                 ),
                 extensions={"trace": trace},
             )
-        except (httpx.InvalidURL, httpx.UnsupportedProtocol, ValueError) as exc:
+        except (httpx.InvalidURL, httpx.UnsupportedProtocol) as exc:
             return self._cannot_build(
                 call.route,
                 f"route {call.route.id!r} endpoint is not a usable URL ({exc}); set "
                 "Route.endpoint to the provider's base URL",
+                call.elapsed(),
+                call.secret,
+            )
+        except (ValueError, TypeError) as exc:
+            # The URL's problems are InvalidURL: this is the headers' or the body's, which the
+            # codec made (_prepare checks the headers; this is for what it does not foresee).
+            return self._cannot_build(
+                call.route,
+                f"{self._codec_method(call.route, call.codec, 'build_request')} made a request "
+                f"httpx cannot build ({type(exc).__name__}: {exc}); fix the codec's headers",
                 call.elapsed(),
                 call.secret,
             )
@@ -846,6 +956,19 @@ class HttpAdapter:
                 call.route,
                 f"route {call.route.id!r} endpoint uses an unsupported scheme ({exc}); use an "
                 "http:// or https:// URL",
+                call.elapsed(),
+                call.secret,
+            )
+        except httpx.LocalProtocolError as exc:
+            if call.progress.request_sent:
+                return (yield from self._transport_failure(call, exc))
+            # h11 refused the request's head before any byte of it was written (_Progress):
+            # the request the codec built, not the provider, which never saw it.
+            return self._cannot_build(
+                call.route,
+                f"{self._codec_method(call.route, call.codec, 'build_request')} made a request "
+                f"HTTP/1.1 cannot carry, refused before sending ({describe_exception(exc)}); "
+                "fix the codec's headers",
                 call.elapsed(),
                 call.secret,
             )
