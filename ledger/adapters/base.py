@@ -19,7 +19,9 @@ whether any byte of the request was handed to the socket, and an
 evidence). A route that cannot build a request (no endpoint or not a usable http(s) URL, no codec
 for its protocol, no secret for its profile or one that cannot go in a header, a body its codec
 made that cannot be JSON-encoded, a codec header named like one of the headers that carry the
-Attempt's id) is transport ``cannot_build``, phase ``before_send``, source ``local``, with a
+Attempt's id, a codec header HTTP cannot carry, a codec's ``build_request`` that raises anything
+but InvalidArgument or an ``auth_headers`` that raises, a request head h11 refuses before writing
+it) is transport ``cannot_build``, phase ``before_send``, source ``local``, with a redacted
 message naming the problem and the fix. Only caller misuse (a profile id that is not the
 route's, an envelope without parts, streaming, tools or prefill the route's capabilities refuse,
 envelope parts or parameters the codec cannot map, text or params no JSON body can carry: a
@@ -43,6 +45,8 @@ socket; ``receive_response_headers.complete`` = a status line and headers arrive
 what happened                          transport kind                  phase
 =====================================  ==============================  ======================
 the route cannot build a request       cannot_build                    before_send
+LocalProtocolError before any byte     cannot_build                    before_send
+  left (h11 refused the request's head)
 ConnectError caused by socket.gaierror dns_failure                     before_send
 ConnectError caused by ssl.SSLError    tls_error                       before_send
   (certificate, version, handshake;
