@@ -192,10 +192,17 @@ def _structured(cls: ClassificationPolicy, err: _ProviderError) -> tuple[Categor
     return None
 
 
-def _by_status(cls: ClassificationPolicy, status: int, text: str) -> Category | None:
+def _status_text(cls: ClassificationPolicy, status: int, text: str) -> Category | None:
     for rule in cls.status_text:
         if status in rule.statuses and _any_in(rule.patterns, text):
             return rule.category
+    return None
+
+
+def _by_status(cls: ClassificationPolicy, status: int, text: str) -> Category | None:
+    said = _status_text(cls, status, text)
+    if said is not None:
+        return said
     if status in cls.status:
         return cls.status[status]
     if 400 <= status < 500:
@@ -221,6 +228,12 @@ def _category(
         return cls.transports[obs.transport], None
     if _context_overflow(cls, err, text):
         return Category.CONTEXT_OVERFLOW, None
+    if cls.status_text_first and obs.status is not None:
+        # The status's own words outrank a coarse code: seed 001's "a 429 that says the model
+        # is overloaded" is an overload although its body also says rate_limit_error.
+        said = _status_text(cls, obs.status, text)
+        if said is not None:
+            return said, None
     structured = _structured(cls, err)
     if structured is not None:
         return structured
@@ -264,10 +277,11 @@ def resubmittable(obs: Observation, phase: Phase, failover: FailoverPolicy) -> b
 
 
 def _move(policy: Policy, category: Category, phase: Phase,
-          transport: Transport | None) -> Scope | None:
+          transport: Transport | None, status: int | None) -> Scope | None:
     for rule in policy.moves_on:
         if (category in rule.categories and (rule.phases is None or phase in rule.phases)
-                and (rule.transports is None or transport in rule.transports)):
+                and (rule.transports is None or transport in rule.transports)
+                and (rule.statuses is None or status in rule.statuses)):
             return rule.scope
     return None
 
@@ -348,7 +362,7 @@ def _fact(obs: Observation, policy: Policy, body: str, err: _ProviderError,
         code = coarse[0] if coarse else next(iter(err.fields.values()))
     if code is not None:
         code = redact(_clean(code))
-    scope = _move(policy, category, phase, obs.transport)
+    scope = _move(policy, category, phase, obs.transport, obs.status)
     if category is Category.UNUSABLE:
         # A route that cannot be used never ends the request by itself: it is skipped (seed
         # 001: "one that cannot be built (no key) is logged and skipped"), under every policy.
@@ -426,7 +440,7 @@ def refile(fact: FailureFact, policy: Policy) -> FailureFact:
     obs = Observation(status=fact.status, transport=fact.transport, phase=fact.phase,
                       source=fact.source, provider=fact.provider,
                       effective_output=fact.effective_output, tool_started=fact.tool_started)
-    scope = _move(policy, fact.category, fact.phase, fact.transport)
+    scope = _move(policy, fact.category, fact.phase, fact.transport, fact.status)
     if fact.category is Category.UNUSABLE:
         scope = Scope.ROUTE
     resubmit = resubmittable(obs, fact.phase, policy.failover)

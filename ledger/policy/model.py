@@ -344,13 +344,28 @@ class FailoverPolicy(_Section):
         return self
 
 
+#: A status a rule names (range checked by _http_statuses, shown by the schema).
+HttpStatus = Annotated[WholeNumber, Field(json_schema_extra={"minimum": 100, "maximum": 599})]
+
+
+def _http_statuses(codes: Iterable[int]) -> None:
+    for code in codes:
+        if not 100 <= code <= 599:
+            raise PolicyValueError(
+                f"{code} is not an HTTP status",
+                "use status codes between 100 and 599",
+            )
+
+
 class MoveRule(_Section):
     """A failure that makes the request eligible for another route.
 
     It matches a failure of one of ``categories`` in one of ``phases`` (``None``: any phase)
     and, when ``transports`` is given, only one observed as one of those transport kinds: a
     connection refused is ``network`` like a connection reset, but only the refusal provably
-    carried nothing of the request.
+    carried nothing of the request. When ``statuses`` is given, only a failure that came with
+    one of those HTTP statuses matches: a 504 is ``server_error`` like a 500, but it says a
+    gateway timed out, which a policy may move on like a timeout (fased).
     """
 
     categories: Annotated[list[RuleCategory], _CATEGORIES] = Field(json_schema_extra=_NON_EMPTY)
@@ -359,6 +374,9 @@ class MoveRule(_Section):
         default=None, json_schema_extra=_NON_EMPTY)
     # None = whatever the transport kind (or none)
     transports: Annotated[list[Transport], _TRANSPORTS] | None = Field(
+        default=None, json_schema_extra=_NON_EMPTY)
+    # None = whatever the HTTP status (or none)
+    statuses: Annotated[list[HttpStatus], _EachOnce("status")] | None = Field(
         default=None, json_schema_extra=_NON_EMPTY)
     scope: Scope = Scope.ROUTE
 
@@ -390,6 +408,18 @@ class MoveRule(_Section):
                 "an empty transport list matches no failure",
                 "list the transport kinds, or leave `transports` out to match any",
             )
+        return v
+
+    @field_validator("statuses")
+    @classmethod
+    def _some_statuses(cls, v: list[int] | None, info: ValidationInfo) -> list[int] | None:
+        if v is not None and not v:
+            raise PolicyValueError(
+                "an empty status list matches no failure",
+                "list the HTTP statuses, or leave `statuses` out to match any",
+            )
+        if v is not None and _admitting(info):
+            _http_statuses(v)
         return v
 
 
@@ -523,19 +553,6 @@ class TextRule(_Section):
                 "list at least one pattern, or delete the rule",
             )
         return v
-
-
-#: A status the classification names (range checked by _http_statuses, shown by the schema).
-HttpStatus = Annotated[WholeNumber, Field(json_schema_extra={"minimum": 100, "maximum": 599})]
-
-
-def _http_statuses(codes: Iterable[int]) -> None:
-    for code in codes:
-        if not 100 <= code <= 599:
-            raise PolicyValueError(
-                f"{code} is not an HTTP status",
-                "use status codes between 100 and 599",
-            )
 
 
 class StatusTextRule(_Section):
@@ -676,6 +693,10 @@ class ClassificationPolicy(_Section):
     status_4xx: ClassifiedCategory | None = Category.FORMAT
     status_5xx: ClassifiedCategory | None = Category.SERVER_ERROR
     status_text: list[StatusTextRule] = Field(default_factory=list)
+    # Whether `status_text` decides before `codes`: a status whose text says otherwise also
+    # overrides the coarse structured code its body carries (goclaw: a 429 rate_limit_error
+    # that says "overloaded" is an overload).
+    status_text_first: bool = False
     text: list[TextRule] = Field(default_factory=list)
     # Hints beyond this are clamped, and so is every wait or group cooldown derived from one: a
     # Retry-After dated in year 9999 carries no more information than an hour-long one, and one

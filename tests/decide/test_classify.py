@@ -6,10 +6,13 @@ import json
 from datetime import UTC, datetime
 from email.utils import format_datetime
 
-from ledger.decide.classify import classify
+import pytest
+
+from ledger.decide.classify import classify, reclassify, refile
 from ledger.decide.hints import parse_retry_after
 from ledger.domain.facts import Category, CooldownEffect, Observation, Phase, Source
-from ledger.policy.load import preset
+from ledger.errors import PolicyError
+from ledger.policy.load import preset, validate_policy
 from ledger.policy.model import FROZEN, Policy
 
 GOCLAW = preset("goclaw")
@@ -247,3 +250,75 @@ def test_a_policy_frozen_before_the_detail_tables_decides_as_it_did() -> None:
     assert frozen.classification.codes.gemini_reason == {}
     fact = classify(_obs(status=400, body=_GEMINI_BAD_KEY, protocol="gemini"), frozen)
     assert (fact.category, fact.provider_code) == (Category.FORMAT, "INVALID_ARGUMENT")
+
+
+# -- policy settings behind the presets' readings of seeds 001 and 002 ----------------------------
+
+_RATE_LIMIT_SAYING_OVERLOADED = Observation(
+    status=429, protocol="anthropic",
+    body=json.dumps({"type": "error",
+                     "error": {"type": "rate_limit_error", "message": "Model is overloaded"}}))
+
+
+def _goclaw_with(**classification: object) -> Policy:
+    data = preset("goclaw").model_dump(mode="json")
+    data["classification"].update(classification)
+    return validate_policy(data)
+
+
+def test_a_status_text_rule_outranks_a_structured_code_only_when_the_policy_says_so() -> None:
+    """``status_text_first`` moves the status-text rules ahead of ``codes``; without it the
+    structured code decides first, as the fixed precedence says."""
+    assert classify(_RATE_LIMIT_SAYING_OVERLOADED, _goclaw_with(status_text_first=True)).category \
+        is Category.OVERLOADED
+    fact = classify(_RATE_LIMIT_SAYING_OVERLOADED, _goclaw_with(status_text_first=False))
+    assert fact.category is Category.RATE_LIMIT and fact.provider_code == "rate_limit_error"
+
+
+def test_a_status_text_rule_first_still_yields_to_caller_facts_transports_and_overflow() -> None:
+    policy = _goclaw_with(status_text_first=True)
+    cancelled = _RATE_LIMIT_SAYING_OVERLOADED.model_copy(update={"cancelled": True})
+    assert classify(cancelled, policy).category is Category.CANCELLED
+    overflow = Observation(status=429, protocol="openai", body=json.dumps(
+        {"error": {"code": "context_length_exceeded", "message": "overloaded context"}}))
+    assert classify(overflow, policy).category is Category.CONTEXT_OVERFLOW
+
+
+def test_a_recorded_overload_reads_back_as_an_overload_under_status_text_first() -> None:
+    policy = _goclaw_with(status_text_first=True)
+    fact = classify(_RATE_LIMIT_SAYING_OVERLOADED, policy)
+    assert reclassify(fact, policy).category is Category.OVERLOADED
+
+
+def _fased_with_moves(moves_on: list[dict[str, object]]) -> Policy:
+    data = preset("fased").model_dump(mode="json")
+    data["moves_on"] = moves_on
+    return validate_policy(data)
+
+
+def test_a_move_rule_with_statuses_matches_only_failures_with_those_statuses() -> None:
+    """A 504 is ``server_error`` like a 500; a rule naming ``statuses: [504]`` moves only it."""
+    policy = _fased_with_moves([{"categories": ["server_error"], "statuses": [504]}])
+    assert classify(Observation(status=504), policy).moves_on
+    for other in (Observation(status=500), Observation(status=502),
+                  Observation(status=200, protocol="openai", body=json.dumps(
+                      {"error": {"code": "server_error", "message": "failed"}}))):
+        fact = classify(other, policy)
+        assert fact.category is Category.SERVER_ERROR and not fact.moves_on
+
+
+def test_a_move_rule_with_statuses_is_applied_when_a_fact_is_refiled() -> None:
+    """A replay refiles a recorded fact under a policy: the recorded status decides the rule."""
+    policy = _fased_with_moves([{"categories": ["server_error"], "statuses": [504]}])
+    stopped = classify(Observation(status=504), _fased_with_moves([]))
+    assert not stopped.moves_on
+    assert refile(stopped, policy).moves_on
+    assert not refile(classify(Observation(status=502), _fased_with_moves([])), policy).moves_on
+
+
+def test_an_empty_status_list_in_a_move_rule_is_refused_naming_it() -> None:
+    with pytest.raises(PolicyError) as info:
+        _fased_with_moves([{"categories": ["server_error"], "statuses": []}])
+    [(field, problem, fix)] = info.value.errors
+    assert field == "moves_on[0].statuses" and "matches no failure" in problem
+    assert "leave `statuses` out" in fix

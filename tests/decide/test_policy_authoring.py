@@ -199,6 +199,8 @@ LISTED_TWICE = [
      "moves_on[0].phases[1]", "phase 'before_send' is listed twice"),
     ({"moves_on": [{"categories": ["network"], "transports": ["stream_cut", "stream_cut"]}]},
      "moves_on[0].transports[1]", "transport kind 'stream_cut' is listed twice"),
+    ({"moves_on": [{"categories": ["server_error"], "statuses": [504, 504.0]}]},
+     "moves_on[0].statuses[1]", "status 504 is listed twice"),
     ({"same_route_retry": [{"categories": ["overloaded", "overloaded"], **_RETRY}]},
      "same_route_retry[0].categories[1]", "category 'overloaded' is listed twice"),
     ({"same_route_retry": [{"transports": ["stream_cut", "stream_cut"], **_RETRY}]},
@@ -258,7 +260,7 @@ def test_every_list_of_names_in_the_schema_says_its_entries_are_unique() -> None
 
     of_values = {p: a for p, a in arrays.items()
                  if not of_rules(a) and not p.endswith("/delays_s")}
-    assert len(of_values) == 15  # auth_order's lists too, refused by their own rule
+    assert len(of_values) == 16  # auth_order's lists too, refused by their own rule
     assert [p for p, a in of_values.items() if a.get("uniqueItems") is not True] == []
 
 
@@ -421,6 +423,7 @@ SCHEMA_AND_LOADER_REFUSE = {
     "classification.status": {"classification": {"status": {"600": "overloaded"}}},
     "classification.status_text[0].statuses": {"classification": {"status_text": [
         {"statuses": [700], "patterns": ["x"], "category": "overloaded"}]}},
+    "moves_on[0].statuses": {"moves_on": [{"categories": ["server_error"], "statuses": [700]}]},
     "health.cooldown_after": {"health": {"cooldown_after": 0}},
     "health.cooldown_window_s": {"health": {"cooldown_after": 2, "cooldown_window_s": 0.5}},
     "same_route_retry[0].jitter": {"same_route_retry": [
