@@ -3,7 +3,8 @@
 Precedence (the conformance rules, for every preset): caller facts; a local 429; the transport
 kind; context overflow; the provider's structured error field (a detail such as Gemini's
 ``ErrorInfo`` reason before the field it refines); the HTTP status; free-text patterns; else
-``unknown``. Which codes, statuses and patterns map where is policy data.
+``unknown``. Which codes, statuses and patterns map where is policy data, and so is one
+reordering: ``status_text_first`` lets a status's text rules decide before the structured field.
 
 The retry hint is the longest of ``Retry-After``, ``retry-after-ms``, ``x-ms-retry-after-ms`` and
 Gemini's ``RetryInfo``; a wait named only in the message's text is not read.
