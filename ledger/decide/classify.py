@@ -37,7 +37,13 @@ from ledger.domain.facts import (
     WireProtocol,
 )
 from ledger.domain.validation import Problem, Rule, checked, instance
-from ledger.policy.model import ClassificationPolicy, FailoverPolicy, Policy, PolicyArg
+from ledger.policy.model import (
+    LEDGER_FACTS,
+    ClassificationPolicy,
+    FailoverPolicy,
+    Policy,
+    PolicyArg,
+)
 from ledger.redaction import redact
 
 # Which structured fields each protocol's error body carries, in the order they are looked up;
@@ -219,8 +225,9 @@ def _category(
     if obs.cancelled:
         return Category.CANCELLED, None
     # Our own process could not build the request: a local fact no policy table renames.
-    if obs.transport is Transport.CANNOT_BUILD:
-        return Category.UNUSABLE, None
+    own = LEDGER_FACTS.get(obs.transport) if obs.transport is not None else None
+    if own is not None:
+        return own, None
     if obs.over_token_budget:
         return Category.BUDGET_EXCEEDED, None
     if obs.source is Source.LOCAL and obs.status == 429:

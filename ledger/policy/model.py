@@ -12,6 +12,7 @@ import math
 import unicodedata
 from collections.abc import Iterable, Mapping
 from collections.abc import Set as AbstractSet
+from types import MappingProxyType
 from typing import Annotated, Any, Literal
 
 from pydantic import (
@@ -114,18 +115,32 @@ def _not_a_caller_fact(category: Category, info: ValidationInfo) -> Category:
     return category
 
 
-class _CallerFactsExcluded:
-    """The schema of a rule's category: any but :data:`CALLER_CATEGORIES`."""
+class _Excluded:
+    """The schema of a category that may be any but ``categories``."""
+
+    def __init__(self, categories: Iterable[Category]) -> None:
+        self.categories = tuple(categories)
 
     def __get_pydantic_json_schema__(self, schema: CoreSchema,
                                      handler: GetJsonSchemaHandler) -> JsonSchemaValue:
         out = handler(schema)
-        out["not"] = {"enum": [c.value for c in CALLER_CATEGORIES]}
+        out["not"] = {"enum": [c.value for c in self.categories]}
         return out
 
 
+#: The schema of a rule's category: any but :data:`CALLER_CATEGORIES`.
+_CallerFactsExcluded = _Excluded(CALLER_CATEGORIES)
+
+#: The ledger's own facts: a transport kind only this process reports, and the category the
+#: classifier always gives it, before reading any table (``cannot_build``: no secret, no usable
+#: endpoint, a body that cannot be encoded; nothing was sent).
+LEDGER_FACTS: Mapping[Transport, Category] = MappingProxyType(
+    {Transport.CANNOT_BUILD: Category.UNUSABLE})
+#: Categories only :data:`LEDGER_FACTS` establish: no provider's response is one.
+LEDGER_CATEGORIES: tuple[Category, ...] = tuple(dict.fromkeys(LEDGER_FACTS.values()))
+
 #: A category a failure rule (moves_on, same_route_retry, cooldown, disables) may name.
-RuleCategory = Annotated[Category, AfterValidator(_not_a_caller_fact), _CallerFactsExcluded()]
+RuleCategory = Annotated[Category, AfterValidator(_not_a_caller_fact), _CallerFactsExcluded]
 
 
 def _classified_as_caller_fact(category: Category, info: ValidationInfo,
@@ -143,13 +158,63 @@ def _classified_as_caller_fact(category: Category, info: ValidationInfo,
     return category
 
 
+def _classified_as_ledger_fact(category: Category, info: ValidationInfo,
+                               field: str | None = None) -> Category:
+    if category in LEDGER_CATEGORIES and _admitting(info):
+        # The classifier gives `unusable` a route, skipped whatever moves_on says and with its
+        # health untouched: a provider's answer classified so would bypass both.
+        raise PolicyValueError(
+            f"{category.value!r} is the ledger's own fact (this process could not build the "
+            "request, transport cannot_build): no provider response or other transport failure "
+            "is one, and classified as one it would skip the route whatever moves_on says, "
+            "and never cool or disable it",
+            "classify it as the failure it is (e.g. auth, format or unknown), or remove the "
+            "entry",
+            field=field,
+        )
+    return category
+
+
+def _classified(category: Category, info: ValidationInfo, field: str | None = None) -> Category:
+    _classified_as_caller_fact(category, info, field)
+    return _classified_as_ledger_fact(category, info, field)
+
+
 def _not_a_provider_fact(category: Category, info: ValidationInfo) -> Category:
+    return _classified(category, info)
+
+
+def _not_a_caller_fact_classified(category: Category, info: ValidationInfo) -> Category:
     return _classified_as_caller_fact(category, info)
 
 
+#: The schema of a classified category: neither the caller's nor the ledger's own fact.
+_ClassifiedExcluded = _Excluded(CALLER_CATEGORIES + LEDGER_CATEGORIES)
+
 #: A category the classification maps a provider's response or a transport failure onto.
 ClassifiedCategory = Annotated[Category, AfterValidator(_not_a_provider_fact),
-                               _CallerFactsExcluded()]
+                               _ClassifiedExcluded]
+class _LedgerFactsKept:
+    """The schema of ``classification.transports``: only a ledger's own kind may say its fact.
+
+    Every other kind may be any category a provider's failure may be; ``cannot_build`` any but
+    the caller's (the classifier reads it as ``unusable`` before the table).
+    """
+
+    def __get_pydantic_json_schema__(self, schema: CoreSchema,
+                                     handler: GetJsonSchemaHandler) -> JsonSchemaValue:
+        out = handler(schema)
+        value = out["additionalProperties"]
+        out["properties"] = {t.value: dict(value) for t in LEDGER_FACTS}
+        out["additionalProperties"] = {
+            **value, "not": {"enum": [c.value for c in CALLER_CATEGORIES + LEDGER_CATEGORIES]}}
+        return out
+
+
+#: A ``classification.transports`` value: the ledger's own facts are checked per entry, since
+#: the table may say what :data:`LEDGER_FACTS` says (every preset lists ``cannot_build``).
+_TransportCategory = Annotated[Category, AfterValidator(_not_a_caller_fact_classified),
+                               _CallerFactsExcluded]
 
 
 class _EachOnce:
@@ -431,7 +496,8 @@ class RetryRule(_Section):
 
     ``delays_s[i]`` is the nominal wait before retry ``i + 1``; the wait is drawn uniformly from
     ``delay * (1 +- jitter)``. A Retry-After hint longer than the nominal wait replaces it exactly
-    when ``honor_retry_after``; a hint above ``retry_after_cap_s`` means no retry at all.
+    when ``honor_retry_after``; a hint above ``retry_after_cap_s`` then means no retry at all.
+    Without ``honor_retry_after`` hints are not read, so a cap is refused there.
     """
 
     categories: Annotated[list[RuleCategory], _CATEGORIES] = Field(default_factory=list)
@@ -467,6 +533,24 @@ class RetryRule(_Section):
                 f"max is {self.max} but only {len(self.delays_s)} delay(s) are given",
                 f"give one delay per retry in `delays_s` ({self.max} values), or lower `max`",
                 field="max",
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _cap_reads_hints(self, info: ValidationInfo) -> RetryRule:
+        # A cap given without honor_retry_after would never refuse a retry: hints are read only
+        # to be honored (decide.retry), so the file would promise what the ledger never does.
+        # The default (null) says nothing, and a Run frozen with such a rule keeps deciding as
+        # it did.
+        if (self.retry_after_cap_s is not None and not self.honor_retry_after
+                and _admitting(info)):
+            raise PolicyValueError(
+                f"retry_after_cap_s ({self.retry_after_cap_s:g}) is set but honor_retry_after is "
+                "false: the rule does not read Retry-After hints at all, so a longer hint would "
+                "be retried anyway and the cap would never apply",
+                "set honor_retry_after: true to wait hints out up to the cap (a longer one "
+                "means no retry), or remove retry_after_cap_s",
+                field="retry_after_cap_s",
             )
         return self
 
@@ -681,12 +765,13 @@ class ClassificationPolicy(_Section):
     classifier on structured facts only (the failure-domain default).
     """
 
-    transports: dict[Transport, ClassifiedCategory] = Field(default_factory=_default_transports)
+    transports: Annotated[dict[Transport, _TransportCategory], _LedgerFactsKept()] = Field(
+        default_factory=_default_transports)
     context_overflow: list[OverflowRule] = Field(default_factory=_default_overflow)
     context_overflow_text: Annotated[list[Pattern], _PATTERNS] = Field(default_factory=list)
     codes: ProviderCodes = Field(default_factory=_default_codes)
     # Values checked by _status_range, to name the status as classification.status.499.
-    status: dict[int, Annotated[Category, _CallerFactsExcluded()]] = Field(
+    status: dict[int, Annotated[Category, _ClassifiedExcluded]] = Field(
         default_factory=_default_status,
         json_schema_extra={"propertyNames": {"pattern": "^[1-5][0-9][0-9]$"}})
     # Unlisted 4xx / 5xx statuses; null leaves them to the text rules, then `unknown`.
@@ -711,8 +796,25 @@ class ClassificationPolicy(_Section):
     def _status_range(cls, v: dict[int, Category], info: ValidationInfo) -> dict[int, Category]:
         _http_statuses(v)
         for code, category in v.items():
-            _classified_as_caller_fact(category, info, field=str(code))
+            _classified(category, info, field=str(code))
         return v
+
+    @field_validator("transports")
+    @classmethod
+    def _ledger_facts_kept(cls, v: dict[Transport, Category],
+                           info: ValidationInfo) -> dict[Transport, Category]:
+        for transport, category in v.items():
+            if LEDGER_FACTS.get(transport) is not category:
+                _classified_as_ledger_fact(category, info, field=transport.value)
+        return v
+
+    def transport_category(self, transport: Transport) -> Category | None:
+        """The category the classifier gives a failure observed as ``transport``.
+
+        ``None`` when the table leaves it to the later steps. A caller's facts and a local 429
+        come first, whatever the transport kind; a rule about a route's failures names neither.
+        """
+        return LEDGER_FACTS.get(transport) or self.transports.get(transport)
 
     @field_validator("status", mode="wrap")
     @classmethod
@@ -1131,7 +1233,8 @@ class Policy(StrictModel):
     description: str = ""
     failover: FailoverPolicy = Field(default_factory=FailoverPolicy)
     classification: ClassificationPolicy = Field(default_factory=ClassificationPolicy)
-    moves_on: list[MoveRule] = Field(default_factory=list)
+    # Empty by default, which is refused while failover is enabled (_failover_can_move_on).
+    moves_on: list[MoveRule] = Field(default_factory=list, json_schema_extra={"default": []})
     same_route_retry: list[RetryRule] = Field(default_factory=list)
     health: HealthPolicy = Field(default_factory=HealthPolicy)
     probe: ProbePolicy = Field(default_factory=ProbePolicy)
@@ -1139,6 +1242,21 @@ class Policy(StrictModel):
     admission: AdmissionPolicy = Field(default_factory=AdmissionPolicy)
     streaming: StreamingPolicy = Field(default_factory=StreamingPolicy)
     envelope: EnvelopePolicy = Field(default_factory=EnvelopePolicy)
+
+    @model_validator(mode="after")
+    def _failover_can_move_on(self, info: ValidationInfo) -> Policy:
+        if self.failover.enabled and not self.moves_on and _admitting(info):
+            # Only a moves_on rule makes a failure eligible for another route: without one an
+            # enabled failover would silently stop on every failure, as a disabled one does.
+            raise PolicyValueError(
+                "failover.enabled is true but moves_on lists no rule, so no failure is ever "
+                "eligible for another route: every failure would stop the request",
+                "add a moves_on rule, e.g. `moves_on: [{categories: [rate_limit, overloaded, "
+                "server_error, timeout, network], scope: route}]`, or set failover.enabled: "
+                "false",
+                field="moves_on",
+            )
+        return self
 
     @model_validator(mode="after")
     def _every_retry_rule_reachable(self, info: ValidationInfo) -> Policy:
@@ -1160,6 +1278,27 @@ class Policy(StrictModel):
                             f"remove {value.value!r} here, or merge the two rules",
                             field=f"same_route_retry[{i}].{name}",
                         )
+        # A rule is matched on the failure's category before its transport kind (decide.retry),
+        # and a failure observed as a transport kind is classified by the table first: an
+        # earlier rule listing that category takes every such failure.
+        by_category: dict[Category, int] = {}
+        for i, rule in enumerate(self.same_route_retry):
+            for transport in rule.transports:
+                category = self.classification.transport_category(transport)
+                if category is not None and category in by_category:
+                    taker = by_category[category]
+                    raise PolicyValueError(
+                        f"{transport.value!r} is classified {category.value!r} "
+                        f"(classification.transports), which same_route_retry[{taker}] lists "
+                        "already: the first rule that lists a failure's category or transport "
+                        f"kind applies, so same_route_retry[{i}] never does for a "
+                        f"{transport.value} failure",
+                        f"put the transport rule first (move same_route_retry[{i}] above "
+                        f"same_route_retry[{taker}]), or remove {transport.value!r} here",
+                        field=f"same_route_retry[{i}].transports",
+                    )
+            for category in rule.categories:
+                by_category.setdefault(category, i)
         return self
 
     @field_validator("name")
