@@ -1244,21 +1244,6 @@ class Policy(StrictModel):
     envelope: EnvelopePolicy = Field(default_factory=EnvelopePolicy)
 
     @model_validator(mode="after")
-    def _failover_can_move_on(self, info: ValidationInfo) -> Policy:
-        if self.failover.enabled and not self.moves_on and _admitting(info):
-            # Only a moves_on rule makes a failure eligible for another route: without one an
-            # enabled failover would silently stop on every failure, as a disabled one does.
-            raise PolicyValueError(
-                "failover.enabled is true but moves_on lists no rule, so no failure is ever "
-                "eligible for another route: every failure would stop the request",
-                "add a moves_on rule, e.g. `moves_on: [{categories: [rate_limit, overloaded, "
-                "server_error, timeout, network], scope: route}]`, or set failover.enabled: "
-                "false",
-                field="moves_on",
-            )
-        return self
-
-    @model_validator(mode="after")
     def _every_retry_rule_reachable(self, info: ValidationInfo) -> Policy:
         if not _admitting(info):
             return self
@@ -1299,6 +1284,21 @@ class Policy(StrictModel):
                     )
             for category in rule.categories:
                 by_category.setdefault(category, i)
+        return self
+
+    @model_validator(mode="after")
+    def _failover_can_move_on(self, info: ValidationInfo) -> Policy:
+        if self.failover.enabled and not self.moves_on and _admitting(info):
+            # Only a moves_on rule makes a failure eligible for another route: without one an
+            # enabled failover would silently stop on every failure, as a disabled one does.
+            raise PolicyValueError(
+                "failover.enabled is true but moves_on lists no rule, so no failure is ever "
+                "eligible for another route: every failure would stop the request",
+                "add a moves_on rule, e.g. `moves_on: [{categories: [rate_limit, overloaded, "
+                "server_error, timeout, network], scope: route}]`, or set failover.enabled: "
+                "false",
+                field="moves_on",
+            )
         return self
 
     @field_validator("name")

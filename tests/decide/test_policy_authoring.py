@@ -28,6 +28,11 @@ from ledger.policy.model import FROZEN, DisableRule, FailoverPolicy, HealthPolic
 
 REPO = Path(__file__).resolve().parents[2]
 
+# A policy that fails over says what moves on (refused otherwise): each policy below that loads
+# carries this one rule, beside the point its test makes.
+MOVES: dict[str, object] = {"moves_on": [{"categories": ["overloaded"]}]}
+MOVES_YAML = "moves_on: [{categories: [overloaded]}]\n"
+
 
 def _write(tmp_path: Path, text: str, name: str = "policy.yaml") -> Path:
     p = tmp_path / name
@@ -78,6 +83,7 @@ def test_a_set_in_a_policy_mapping_or_model_is_refused_not_ordered_by_the_hash_s
 # -- YAML merge keys: a mapping's own keys override what it merges -------------------------------
 
 RETRIES = """name: t
+moves_on: [{categories: [overloaded]}]
 same_route_retry:
   - &r {categories: [overloaded], max: 2, delays_s: [1, 2]}
   - &s {categories: [server_error], max: 1, delays_s: [5], jitter: 0.5}
@@ -98,7 +104,7 @@ def test_a_merged_key_is_overridden_by_the_mappings_own_key(tmp_path: Path) -> N
 def test_a_key_a_mapping_itself_says_twice_is_still_a_duplicate(tmp_path: Path) -> None:
     text = RETRIES + "    categories: [timeout]\n"
     [(field, problem, _)] = _refused(_write(tmp_path, text))
-    assert field.startswith("<yaml line 7") and problem == "duplicate key 'categories'"
+    assert field.startswith("<yaml line 8") and problem == "duplicate key 'categories'"
 
 
 # -- two keys that mean one entry: refused, not one of them dropped -----------------------------
@@ -299,7 +305,7 @@ def test_a_category_that_cools_and_disables_is_refused_saying_it_only_disables()
 def test_numbers_are_read_as_yaml_1_2_and_json_read_them(tmp_path: Path, value: str,
                                                          seconds: float) -> None:
     """YAML 1.1 read ``010`` as 8 (octal) and refused 1.2's ``0o10`` as text."""
-    text = f"name: t\nhealth:\n  cooldown:\n    base_s: {value}\n    cap_s: 1e6\n"
+    text = f"name: t\n{MOVES_YAML}health:\n  cooldown:\n    base_s: {value}\n    cap_s: 1e6\n"
     assert load_policy(_write(tmp_path, text)).health.cooldown.base_s == seconds
 
 
@@ -313,19 +319,19 @@ def test_base_60_is_text_not_a_number(tmp_path: Path) -> None:
 @pytest.mark.parametrize("word", ["yes", "no", "on", "off", "y", "n"])
 def test_only_true_and_false_are_booleans(tmp_path: Path, word: str) -> None:
     """``no:`` as a provider key was the boolean False, ``enabled: yes`` silently true."""
-    policy = load_policy(_write(tmp_path, f"name: {word}\nprofiles:\n  auth_order:\n"
+    policy = load_policy(_write(tmp_path, f"name: {word}\n{MOVES_YAML}profiles:\n  auth_order:\n"
                                           f"    {word}: [p1]\n"))
     assert policy.name == word and policy.profiles.auth_order == {word: ["p1"]}
     [(field, problem, fix)] = _refused(
         _write(tmp_path, f"name: t\nfailover:\n  enabled: {word}\n"))
     assert field == "failover.enabled" and "wrong type" in problem and "true or false" in fix
     for spelled in ("true", "True", "TRUE", "false", "False", "FALSE"):
-        text = f"name: t\nfailover:\n  enabled: {spelled}\n"
+        text = f"name: t\n{MOVES_YAML}failover:\n  enabled: {spelled}\n"
         assert load_policy(_write(tmp_path, text)).failover.enabled is (spelled.lower() == "true")
 
 
 def test_a_date_is_text(tmp_path: Path) -> None:
-    assert load_policy(_write(tmp_path, "name: 2024-01-01\n")).name == "2024-01-01"
+    assert load_policy(_write(tmp_path, "name: 2024-01-01\n" + MOVES_YAML)).name == "2024-01-01"
 
 
 # -- a JSON policy is read as JSON ---------------------------------------------------------------
@@ -334,7 +340,8 @@ def test_a_date_is_text(tmp_path: Path) -> None:
 @pytest.mark.parametrize("name", ["p.json", "p.yaml"])
 def test_a_json_policy_indented_with_tabs_loads(tmp_path: Path, name: str) -> None:
     """YAML reads most JSON but no tab indentation: such a file was "a YAML syntax error"."""
-    text = '\ufeff{\n\t"name": "t",\n\t"streaming": {\n\t\t"connect_timeout_s": 5\n\t}\n}\n'
+    text = ('\ufeff{\n\t"name": "t",\n\t"moves_on": [{"categories": ["overloaded"]}],\n'
+            '\t"streaming": {\n\t\t"connect_timeout_s": 5\n\t}\n}\n')
     assert load_policy(_write(tmp_path, text, name)).streaming.connect_timeout_s == 5
 
 
@@ -371,7 +378,8 @@ def test_no_time_limit_is_above_the_total_limit(tmp_path: Path, name: str) -> No
         {"name": "t", "streaming": {name: 1000, "total_timeout_s": 600}})
     assert field == f"streaming.{name}" and "never applies" in problem
     assert f"lower {name}" in fix and "raise total_timeout_s" in fix
-    equal = validate_policy({"name": "t", "streaming": {name: 600, "total_timeout_s": 600}})
+    equal = validate_policy({"name": "t", **MOVES,
+                             "streaming": {name: 600, "total_timeout_s": 600}})
     assert getattr(equal.streaming, name) == 600
 
 
@@ -480,7 +488,7 @@ def test_a_whole_number_written_as_2_0_is_the_integer_json_schema_says_it_is(
         section: str, values: dict[str, object]) -> None:
     """JSON Schema's ``integer`` accepts ``2.0``; the loader refused it as a wrong type. It is
     the integer, so the policy (and its hash) is the one written with ``2``."""
-    data = {"name": "t", section: values}
+    data = {"name": "t", **MOVES, section: values}
     as_float = validate_policy(data)
     as_int = validate_policy(json.loads(json.dumps(data).replace(".0", "")))
     assert policy_hash(as_float) == policy_hash(as_int)
@@ -517,4 +525,5 @@ def test_a_description_keeps_its_line_breaks_tabs_and_every_space() -> None:
     # str.isprintable() refused them.
     text = ("Rules of our gateway.\n\tSee the runbook.\n"
             "Prix\u00a0: 5\u202f\u20ac \u65b9\u3000\u91dd\n")
-    assert Policy(name="my\u00a0policy", description=text).description == text
+    assert Policy.model_validate(
+        {"name": "my\u00a0policy", "description": text, **MOVES}).description == text

@@ -21,6 +21,10 @@ from ledger.policy.load import (
 
 REPO = Path(__file__).resolve().parents[2]
 
+# A policy that fails over says what moves on (refused otherwise): each file below that loads
+# carries this one rule, beside the point its test makes.
+MOVES = "moves_on: [{categories: [overloaded]}]\n"
+
 
 def _write(tmp_path: Path, text: str) -> Path:
     p = tmp_path / "policy.yaml"
@@ -344,7 +348,7 @@ def test_a_total_limit_below_the_first_token_limit_is_refused(tmp_path: Path) ->
     text = "name: x\nstreaming:\n  first_token_timeout_s: 60\n  total_timeout_s: 5\n"
     _, problem, fix = _only(_error(_write(tmp_path, text)), "streaming.total_timeout_s")
     assert "never applies" in problem and "first_token_timeout_s" in fix
-    equal = ("name: x\nstreaming:\n  first_token_timeout_s: 5\n  total_timeout_s: 5\n"
+    equal = (f"name: x\n{MOVES}streaming:\n  first_token_timeout_s: 5\n  total_timeout_s: 5\n"
              "  connect_timeout_s: 5\n  read_timeout_s: 5\n  idle_timeout_s: 5\n")
     assert load_policy(_write(tmp_path, equal)).streaming.total_timeout_s == 5
 
@@ -355,7 +359,7 @@ def test_an_enabled_probe_is_spaced_by_a_positive_interval(tmp_path: Path) -> No
     _, problem, fix = _only(_error(_write(tmp_path, text)), "probe.interval_s")
     assert "defeats its cooldown" in problem
     assert "positive interval" in fix and "probe.enabled: false" in fix
-    off = "name: x\nprobe:\n  enabled: false\n  interval_s: 0\n"  # unused, so left alone
+    off = f"name: x\n{MOVES}probe:\n  enabled: false\n  interval_s: 0\n"  # unused, so left alone
     assert load_policy(_write(tmp_path, off)).probe.interval_s == 0
 
 
@@ -364,7 +368,7 @@ def test_group_evidence_is_not_stale_the_moment_it_is_read(tmp_path: Path) -> No
     text = "name: x\nfailover:\n  group_fact_max_age_s: 0\n"
     _, problem, fix = _only(_error(_write(tmp_path, text)), "failover.group_fact_max_age_s")
     assert "stale" in problem and "group_aware: false" in fix and "positive age" in fix
-    off = "name: x\nfailover:\n  group_aware: false\n  group_fact_max_age_s: 0\n"
+    off = f"name: x\n{MOVES}failover:\n  group_aware: false\n  group_fact_max_age_s: 0\n"
     assert load_policy(_write(tmp_path, off)).failover.group_fact_max_age_s == 0
 
 
@@ -383,12 +387,12 @@ def test_a_number_in_exponent_notation_is_read_as_a_number(tmp_path: Path, value
     """PyYAML's YAML 1.1 reads ``1e3`` (no dot, or an unsigned exponent) as text, which was
     refused as "wrong type: write a number" though it is one in YAML 1.2, JSON and the
     published schema."""
-    text = f"name: x\nhealth:\n  cooldown:\n    base_s: {value}\n    cap_s: 1.0e+6\n"
+    text = f"name: x\n{MOVES}health:\n  cooldown:\n    base_s: {value}\n    cap_s: 1.0e+6\n"
     assert load_policy(_write(tmp_path, text)).health.cooldown.base_s == seconds
 
 
 def test_text_that_only_starts_like_a_number_stays_text(tmp_path: Path) -> None:
     """The resolver matches whole numbers only: a description that merely starts with digits
     and an ``e`` stays text."""
-    text = "name: x\ndescription: 1e3 requests a day\n"
+    text = f"name: x\n{MOVES}description: 1e3 requests a day\n"
     assert load_policy(_write(tmp_path, text)).description == "1e3 requests a day"

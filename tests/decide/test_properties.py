@@ -22,11 +22,20 @@ from ledger.decide.retry import retry_decision
 from ledger.domain.facts import Category, Observation, Phase, Source, Transport, WireProtocol
 from ledger.domain.values import Health
 from ledger.policy.load import PRESETS, preset
-from ledger.policy.model import CooldownCurve, DisableRule, HealthPolicy, Policy, RetryRule
+from ledger.policy.model import (
+    CooldownCurve,
+    DisableRule,
+    HealthPolicy,
+    MoveRule,
+    Policy,
+    RetryRule,
+)
 from tests.decide.retries import same_route_retries
 
 FEW = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 POLICIES = [preset(n) for n in PRESETS]
+# A policy that fails over says what moves on (refused otherwise), beside the point here.
+MOVES = [MoveRule(categories=[Category.OVERLOADED])]
 
 json_values = st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=20),
@@ -132,7 +141,7 @@ curves = st.builds(
 @FEW
 @given(curve=curves, n=st.integers(0, 10_000))
 def test_cooldowns_monotone_and_capped(curve: CooldownCurve, n: int) -> None:
-    policy = Policy(name="p", health=HealthPolicy(cooldown=curve))
+    policy = Policy(name="p", moves_on=MOVES, health=HealthPolicy(cooldown=curve))
     a, b = cooldown_seconds(n, policy), cooldown_seconds(n + 1, policy)
     assert 0 <= a <= b <= curve.cap_s
 
@@ -200,7 +209,7 @@ retry_rules = st.builds(
 def test_jittered_waits_stay_in_bounds(
     rule: RetryRule, seed: int, n: int, hint: float | None
 ) -> None:
-    policy = Policy(name="p", same_route_retry=[rule])
+    policy = Policy(name="p", moves_on=MOVES, same_route_retry=[rule])
     fact = classify(Observation(status=503), policy).model_copy(update={"retry_after_s": hint})
     d = retry_decision(fact, policy, n, random.Random(seed))
     nominal = rule.delays_s[n]
