@@ -426,6 +426,9 @@ def test_no_provider_response_is_classified_as_the_callers_own_fact(
 # -- the published schema refuses what loading refuses, field by field ---------------------------
 
 SCHEMA_AND_LOADER_REFUSE = {
+    "classification.status.401": {"classification": {"status": {"401": "unusable"}}},
+    "classification.transports.dns_failure": {
+        "classification": {"transports": {"dns_failure": "unusable"}}},
     "envelope.max_part_bytes": {"envelope": {"max_part_bytes": 0}},
     "envelope.max_envelope_bytes": {"envelope": {"max_envelope_bytes": 10**12}},
     "classification.status": {"classification": {"status": {"600": "overloaded"}}},
