@@ -153,6 +153,8 @@ def _reconcile(args: argparse.Namespace) -> int:
             print(f"  violation: {v}")
         for c in res.cost_over_hold:
             print(f"  cost_over_hold: {c}")
+        for t in res.tokens_over_hold:
+            print(f"  tokens_over_hold: {t}")
     return 0 if res.ok else 1
 
 

@@ -46,6 +46,10 @@ class Reconciliation:
         violations: Every broken invariant, one sentence each (empty when the books hold).
         cost_over_hold: Attempts whose reported cost exceeded their hold (the provider
             charged more than was reserved: worth a look, though no invariant broke).
+        tokens_over_hold: Posted Attempts of Runs with a token budget whose reported tokens
+            exceeded their token hold: the Run's ``tokens_used`` took at most the hold (as
+            its spend takes at most the cost hold), so the usage past it counts against
+            ``max_tokens`` nowhere but here; a begin with ``reserve_tokens=0`` held none.
         trimmed_runs: Ended Runs admitted before the latest retention's cut-off
             (:meth:`ledger.Ledger.drop_history`), some of whose Attempts may be gone: their
             counters are not summed against their Attempts and debits, nor their sequence
@@ -61,13 +65,14 @@ class Reconciliation:
     violations: list[str] = field(default_factory=list)
     cost_over_hold: list[str] = field(default_factory=list)
     trimmed_runs: int = 0
+    tokens_over_hold: list[str] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
         """No violation.
 
-        An Attempt that cost more than it held is a figure, not a fault: a provider may bill
-        past the hold, and the Run is posted at most the hold by design.
+        An Attempt that cost (or used tokens) more than it held is a figure, not a fault: a
+        provider may bill past the hold, and the Run is posted at most the hold by design.
         """
         return not self.violations
 
@@ -76,14 +81,16 @@ class Reconciliation:
         return {"runs": self.runs, "attempts": self.attempts, "by_state": self.by_state,
                 "debits": self.debits, "recoveries": self.recoveries,
                 "unknown_events": self.unknown_events, "violations": self.violations,
-                "cost_over_hold": self.cost_over_hold, "trimmed_runs": self.trimmed_runs}
+                "cost_over_hold": self.cost_over_hold, "tokens_over_hold": self.tokens_over_hold,
+                "trimmed_runs": self.trimmed_runs}
 
     def summary(self) -> str:
         """The figures on one line, for a log or a terminal."""
         states = dict(sorted(self.by_state.items()))
         return (f"runs: {self.runs}, attempts: {self.attempts} {states}"
                 f", debits: {dict(sorted(self.debits.items()))}, recoveries: {self.recoveries}, "
-                f"violations: {len(self.violations)}, cost_over_hold: {len(self.cost_over_hold)}")
+                f"violations: {len(self.violations)}, cost_over_hold: {len(self.cost_over_hold)}"
+                f", tokens_over_hold: {len(self.tokens_over_hold)}")
 
 
 @checked
@@ -112,7 +119,8 @@ def reconcile(ledger: Annotated[Ledger, instance(
     return Reconciliation(runs=fig.runs, attempts=fig.attempts, by_state=fig.by_state,
                           debits=fig.debits, recoveries=ev["recover"],
                           unknown_events=ev["unknown"], violations=fig.violations,
-                          cost_over_hold=fig.cost_over_hold, trimmed_runs=fig.trimmed)
+                          cost_over_hold=fig.cost_over_hold, trimmed_runs=fig.trimmed,
+                          tokens_over_hold=fig.tokens_over_hold)
 
 
 __all__ = ["Reconciliation", "reconcile"]

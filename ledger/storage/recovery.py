@@ -82,6 +82,10 @@ class Figures:
     # Attempts whose reported cost exceeded their hold: posted at the hold (the invariant holds)
     # but the Run really cost more than it reserved; an operator needs to know.
     cost_over_hold: list[str] = field(default_factory=list)
+    # Likewise for tokens: under a token budget a posted Attempt adds at most its token hold to
+    # the Run's tokens_used, so reported usage past it (or any usage of a begin that held no
+    # tokens) shows in the Run's counters nowhere else.
+    tokens_over_hold: list[str] = field(default_factory=list)
     # Runs part of whose history retention dropped: their sums and sequences are not checked.
     trimmed: int = 0
 
@@ -166,11 +170,17 @@ def _money(micros: int) -> str:
     return format(from_micros(micros), "f")
 
 
+def _reported_tokens(att: Any) -> int | None:
+    """The tokens the Attempt's settle reported (prompt and completion), ``None``: none."""
+    if att.prompt_tokens is None and att.completion_tokens is None:
+        return None
+    return int(att.prompt_tokens or 0) + int(att.completion_tokens or 0)
+
+
 def _expected_post(att: Any, reserved_micros: int, token_budget: bool) -> int:
     """What settle posts for this attempt (the same pure rule settle applied)."""
     fact = FailureFact.model_validate_json(att.fact) if att.fact else None
-    tokens = (None if att.prompt_tokens is None and att.completion_tokens is None
-              else (att.prompt_tokens or 0) + (att.completion_tokens or 0))
+    tokens = _reported_tokens(att)
     return settle_holds(Outcome(att.state), fact, cost_micros=att.cost_micros, tokens=tokens,
                         reserved_micros=reserved_micros, reserved_tokens=att.reserved_tokens,
                         token_budget=token_budget).posted_micros
@@ -620,6 +630,12 @@ class RecoveryQueries:
                             v.append(f"{where}: posted {_money(deb.posted_micros)} above its "
                                      "hold")
                         posted += deb.posted_micros
+                        used = _reported_tokens(att)
+                        if run.max_tokens is not None and used is not None \
+                                and used > att.reserved_tokens:
+                            fig.tokens_over_hold.append(
+                                f"{where}: reported tokens {used} above its hold "
+                                f"{att.reserved_tokens} (posted at the hold)")
                         if deb.posted_micros != _expected_post(att, deb.reserved_micros,
                                                                run.max_tokens is not None):
                             v.append(f"{where}: posted {_money(deb.posted_micros)} != the "

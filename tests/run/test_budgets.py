@@ -143,6 +143,47 @@ def test_reported_cost_above_the_hold_is_posted_at_the_hold_and_reported(
     assert cli.returncode == 0 and "cost_over_hold" in cli.stdout
 
 
+def test_reported_tokens_above_the_token_hold_are_posted_at_the_hold_and_reported(
+        led: Ledger, db_url: str) -> None:
+    """Under a token budget a settle adds at most the token hold to ``tokens_used`` (as cost
+    is posted at most the cost hold); what the provider reported past it, and any usage of a
+    low-level begin that held no tokens, is kept on the Attempt and listed by reconcile."""
+    lease = _admit(led, tokens=1000)
+    held = led.begin_attempt(lease, route="a", envelope_hash="sha256:e", reserve="0.01",
+                             reserve_tokens=200)
+    led.settle_attempt(lease, held.attempt_id, outcome="succeeded", prompt_tokens=3000,
+                       completion_tokens=2000, cost="0.001")
+    unheld = led.begin_attempt(lease, route="a", envelope_hash="sha256:e", reserve="0.01",
+                               turn_id="turn-2")  # reserve_tokens defaults to 0
+    done = led.settle_attempt(lease, unheld.attempt_id, outcome="succeeded", prompt_tokens=70,
+                              completion_tokens=30, cost="0.001")
+    assert (done.prompt_tokens, done.completion_tokens) == (70, 30)  # the Attempt keeps them
+    assert led.get_run("r").tokens_used == 200  # at the holds: 200 + 0
+    check = reconcile(led)
+    assert check.ok and not check.violations and check.cost_over_hold == []
+    assert check.tokens_over_hold == [
+        f"run r attempt {held.attempt_id}: reported tokens 5000 above its hold 200 "
+        "(posted at the hold)",
+        f"run r attempt {unheld.attempt_id}: reported tokens 100 above its hold 0 "
+        "(posted at the hold)"]
+    assert check.to_json()["tokens_over_hold"] == check.tokens_over_hold
+    assert "tokens_over_hold: 2" in check.summary()
+    cli = subprocess.run([sys.executable, "-m", "ledger.cli.main", "--db", db_url, "reconcile"],
+                         capture_output=True, text=True)
+    assert cli.returncode == 0, cli.stderr
+    assert f"tokens_over_hold: run r attempt {held.attempt_id}: reported tokens 5000" in cli.stdout
+
+
+def test_tokens_above_the_hold_of_a_run_without_a_token_budget_are_posted_whole_not_listed(
+        led: Ledger) -> None:
+    lease = _admit(led, tokens=None)
+    att = led.begin_attempt(lease, route="a", envelope_hash="sha256:e", reserve="0.01")
+    led.settle_attempt(lease, att.attempt_id, outcome="succeeded", prompt_tokens=300,
+                       completion_tokens=200, cost="0.001")
+    assert led.get_run("r").tokens_used == 500  # no budget to cap them at
+    assert reconcile(led).tokens_over_hold == []
+
+
 def test_a_stop_on_a_refused_begin_keeps_the_candidates_its_decision_skipped(
         led: Ledger) -> None:
     """The selector skipped ``a`` (its recipient is not in the grant) and chose ``b``, whose
