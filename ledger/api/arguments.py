@@ -8,6 +8,8 @@ a write *means* live in :mod:`ledger.decide`.
 
 from __future__ import annotations
 
+import json
+import re
 from collections.abc import Mapping, Sequence
 from enum import Enum
 from typing import Annotated, Any
@@ -74,11 +76,63 @@ def retention_age(value: Any) -> float:
     return float(value)
 
 
+#: A part's content hash as the ledger makes it (``Part.content_hash``): ``sha256:`` and 64
+#: lowercase hex digits.
+PART_HASH = re.compile(r"sha256:[0-9a-f]{64}")
+
+
+@rule
+def part_hash(value: Any) -> str:
+    """A part's content hash (``Part.content_hash``), the form provenance is looked up by."""
+    if not isinstance(value, str) or not PART_HASH.fullmatch(value):
+        raise Problem("is not a part's content hash (sha256: and 64 lowercase hex digits)",
+                      "pass each answer part's Part.content_hash, e.g. "
+                      "[part.content_hash for part in parts]")
+    return value
+
+
+# Strict as the stored form is sorted: NaN, an infinity, an object or a mapping mixing key
+# types has no JSON text the audit could read back.
+_EVENT_JSON = json.JSONEncoder(sort_keys=True, allow_nan=False)
+_NOT_JSON_FIX = ("pass only strings, finite numbers, booleans, None, lists and mappings with "
+                 "string keys (an amount as str(amount))")
+
+
+def _not_json(value: Any) -> bool:
+    try:
+        _EVENT_JSON.encode(value)
+    except (TypeError, ValueError, RecursionError):
+        return True
+    return False
+
+
+def _where_not_json(value: Any, at: str = "", depth: int = 0) -> str:
+    """The path below ``value`` of the first entry that is not JSON data (``.v``, ``[2]``)."""
+    if depth > 32:  # a cycle, or nesting no caller means: the deepest path found says enough
+        return at
+    items: Sequence[tuple[str, Any]] = ()
+    if isinstance(value, Mapping):
+        if not all(isinstance(k, str) for k in value):
+            return at
+        items = [(f".{k}", v) for k, v in value.items()]
+    elif isinstance(value, list | tuple):
+        items = [(f"[{i}]", v) for i, v in enumerate(value)]
+    for step, item in items:
+        if _not_json(item):
+            return _where_not_json(item, at + step, depth + 1)
+    return at
+
+
 @rule
 def audit_data(value: Any) -> dict[str, Any]:
-    """An audit event's data: a mapping with string keys (stored as JSON, redacted)."""
+    """An audit event's data: a mapping with string keys of JSON data (stored as JSON,
+    redacted)."""
     if not isinstance(value, Mapping) or not all(isinstance(k, str) for k in value):
         raise Problem("is not a mapping with string keys", "pass a dict such as {'why': '...'}")
+    # Refused, not stored as its str(): "<object object at 0x...>" records nothing, and a NaN
+    # would make the stored text no JSON.
+    if _not_json(value):
+        raise Problem("is not JSON data", _NOT_JSON_FIX, at=_where_not_json(value))
     return dict(value)
 
 
@@ -91,7 +145,11 @@ def _event(item: Any) -> tuple[str, dict[str, Any]]:
         kind, data = item
     except (TypeError, ValueError):
         raise Problem("is not a (kind, data) pair", "pass ('note', {...})") from None
-    return event_kind(kind), audit_data(data)
+    kind = event_kind(kind)
+    try:
+        return kind, audit_data(data)
+    except Problem as p:
+        raise Problem(p.problem, p.fix, at=f".data{p.at}") from None
 
 
 @rule
@@ -109,6 +167,9 @@ Hash = Annotated[str, content_hash]
 Hashes = Annotated[Sequence[str], listing(content_hash, "content hashes",
                                           "pass e.g. [part.content_hash for part in parts]")]
 """A list of content hashes."""
+PartHashes = Annotated[Sequence[str], listing(part_hash, "part content hashes",
+                                              "pass e.g. [part.content_hash for part in parts]")]
+"""A list of parts' content hashes (``Part.content_hash``)."""
 AuditData = Annotated[Mapping[str, Any], audit_data]
 """An audit event's data: a mapping with string keys (stored as JSON, redacted)."""
 EventKind = Annotated[str, event_kind]
@@ -198,6 +259,7 @@ __all__ = [
     "MAX_HASH",
     "MAX_SEND_S",
     "MIN_RETENTION_S",
+    "PART_HASH",
     "AttemptFilters",
     "AuditData",
     "ClockArg",
@@ -208,6 +270,7 @@ __all__ = [
     "Hashes",
     "LeaseTtl",
     "Limit",
+    "PartHashes",
     "RouteRef",
     "SendTime",
     "SessionOptions",
@@ -216,4 +279,5 @@ __all__ = [
     "audit_data",
     "content_hash",
     "event_kind",
+    "part_hash",
 ]

@@ -41,8 +41,8 @@ from ledger.api.arguments import (
     Events,
     FoldAfter,
     Hash,
-    Hashes,
     LeaseTtl,
+    PartHashes,
     RollupLag,
     RouteRef,
     SendTime,
@@ -160,6 +160,20 @@ def _within(part: int | None, field: str, total: int | None, of: str) -> None:
     if part is not None and total is not None and part > total:
         raise InvalidArgument(f"{field} ({part}) exceeds {of} ({total}); it counts a part of "
                               f"{of}, so pass at most {total}", field=field)
+
+
+def _used_nothing(said: str, usage: Mapping[str, int | Decimal | None]) -> None:
+    """Refuse usage or a cost given for a call that never left (recorded ``not_sent``).
+
+    ``said``: how the caller said so (``outcome not_sent``, a ``before_send`` failure). Such a
+    call used and cost nothing; its figures would count in ``costs`` and the token metrics.
+    """
+    for name, value in usage.items():
+        if value is not None:
+            raise InvalidArgument(
+                f"{name} given with {said}: a not_sent call never left and used nothing, so "
+                "it has no usage or cost; drop it, or settle as succeeded or failed if the "
+                "request was sent", field=name)
 
 
 def _resolve_policy(policy: Policy | str | Mapping[str, Any] | None) -> Policy:
@@ -886,7 +900,7 @@ class Face(Generic[SessionT, OpenedT]):
         Args:
             lease: The Run's live lease.
             data: Recorded with the permission as a ``retry_permission`` audit event (e.g. the
-                route and cause); a mapping with string keys.
+                route and cause); a mapping with string keys of JSON data.
 
         Raises:
             AllowanceExhausted: the Run has no retry permission left.
@@ -941,7 +955,8 @@ class Face(Generic[SessionT, OpenedT]):
             attempt_id: Its id (default: a new one); pass one to make a retried begin the
                 same write.
             events: Audit events written in the same transaction, as ``(kind, data)`` pairs
-                (the retry owner writes the selector's decision this way).
+                (the retry owner writes the selector's decision this way); each data a mapping
+                with string keys of JSON data.
             take_retry: Take one retry permission in the same transaction (every further
                 Attempt of a turn does).
 
@@ -1000,7 +1015,7 @@ class Face(Generic[SessionT, OpenedT]):
         model_reported: Text | None = None,
         output_hash: Hash | None = None,
         events: Events = (),
-        provenance_hashes: Hashes = (),
+        provenance_hashes: PartHashes = (),
         repeat: Flag = False,
         cached_tokens: Tokens | None = None,
         reasoning_tokens: Tokens | None = None,
@@ -1023,7 +1038,8 @@ class Face(Generic[SessionT, OpenedT]):
                 whose phase is ``before_send`` is recorded as not sent).
             fact: The classified failure (a :class:`~ledger.FailureFact`).
             observation: Raw evidence to classify under the Run's policy instead of a fact.
-            prompt_tokens: Usage the provider reported (``None``: not reported).
+            prompt_tokens: Usage the provider reported (``None``: not reported; none with
+                ``not_sent``, which used nothing).
             completion_tokens: Likewise.
             cost: The cost of the call, posted (at most the hold); ``None``: the whole hold is
                 posted, even when tokens are given (this settle does not price them: pass
@@ -1034,8 +1050,10 @@ class Face(Generic[SessionT, OpenedT]):
             model_reported: The model the provider says served it (on a failure, the one it
                 named before failing); covered by the settle hash like the rest of the receipt.
             output_hash: The answer's content hash.
-            events: Audit events written in the same transaction, as ``(kind, data)`` pairs.
-            provenance_hashes: The hashes of the answer's parts, recorded as this Attempt's
+            events: Audit events written in the same transaction, as ``(kind, data)`` pairs
+                (data: JSON data, a mapping with string keys).
+            provenance_hashes: The hashes of the answer's parts (each its
+                ``Part.content_hash``, ``sha256:`` and 64 hex digits), recorded as this Attempt's
                 provenance (so the next turn may carry them) by a ``succeeded`` settle. This
                 is the only way to record them: :meth:`record_provenance` refuses an Attempt's
                 id, so nothing is added once the Attempt is settled.
@@ -1061,13 +1079,21 @@ class Face(Generic[SessionT, OpenedT]):
 
         Raises:
             InvalidArgument: ``failed`` without a fact or observation, ``succeeded`` with
-                one, or another wrong argument.
+                one, usage or a cost for a call recorded ``not_sent`` (it used nothing), event
+                data that is not JSON data, a provenance hash that is not a part's content
+                hash, or another wrong argument. Nothing was written.
             NotFound: the Attempt does not exist, or is not one of the lease's Run.
-            SettleConflict: it was settled before with different content.
+            SettleConflict: it was settled before with different content (an ``unknown``
+                one is settled with evidence by :meth:`settle_unknown`).
             InvalidState: it was rejected before dispatch: there is nothing to settle.
             FencedOut: the Run was taken over since the Attempt began (the outcome is kept as
                 a late receipt).
         """
+        usage: dict[str, int | Decimal | None] = {
+            "prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "cached_tokens": cached_tokens, "reasoning_tokens": reasoning_tokens, "cost": cost}
+        if outcome is Outcome.NOT_SENT:
+            _used_nothing("outcome not_sent", usage)
         _within(cached_tokens, "cached_tokens", prompt_tokens, "prompt_tokens")
         _within(reasoning_tokens, "reasoning_tokens", completion_tokens, "completion_tokens")
         if first_byte_s is not None and first_token_s is not None and first_token_s < first_byte_s:
@@ -1100,6 +1126,11 @@ class Face(Generic[SessionT, OpenedT]):
             provenance=tuple(provenance_hashes), repeat=repeat, cached_tokens=cached_tokens,
             reasoning_tokens=reasoning_tokens, first_byte_s=first_byte_s,
             first_token_s=first_token_s, began_at=began_at)
+        if spec.outcome is Outcome.NOT_SENT and outcome is not Outcome.NOT_SENT:
+            # A failure that never left (phase before_send, or an observation of a request not
+            # sent) is recorded as not sent, and used nothing either.
+            _used_nothing("a failure that never left (phase before_send, recorded as not_sent)",
+                          usage)
         rec = yield from self._store.settle_attempt(lease.run_id, spec, self.clock.now)
         # Settled: nothing asks for it again but a repeated settle, which reads it.
         self._begun.drop(attempt_id)
@@ -1654,7 +1685,8 @@ class Face(Generic[SessionT, OpenedT]):
         Args:
             lease: The Run's live lease.
             kind: The event's kind (a short name such as ``note``, at most 32 characters).
-            data: Its data: a mapping with string keys, stored as JSON (redacted).
+            data: Its data: a mapping with string keys of JSON data (strings, finite numbers,
+                booleans, None, lists, such mappings), stored as JSON (redacted).
             attempt_id: The Attempt it is about, if any.
 
         Raises:

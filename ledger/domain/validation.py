@@ -366,7 +366,9 @@ def listing(each: Callable[[Any], R], what: str, fix: str, maximum: int = 10_000
             try:
                 out.append(each(v))
             except Problem as p:
-                raise Problem(p.problem, p.fix, at=f"[{i}]") from None
+                # Where inside the item too: the field names the value at fault
+                # (``events[0].data.v``), not only its item.
+                raise Problem(p.problem, p.fix, at=f"[{i}]{p.at}") from None
         return out
 
     return Rule(check)

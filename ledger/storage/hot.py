@@ -655,9 +655,15 @@ def settle_tx(sql: Statements, run_id: str, spec: SettleSpec, clock: ClockFn) ->
     if att.state != AttemptState.DISPATCHING.value:
         if att.settle_hash == spec.settle_hash:
             return attempt_record(att, att.debit_state)
+        # An unknown Attempt is the one settled state that may still move: with evidence, by
+        # settle_unknown. Said here, where a host that learnt its outcome lands.
+        way_out = ("; with evidence of its outcome (the provider's console or bill), record it "
+                   f"with Ledger.settle_unknown({spec.attempt_id!r}, outcome=..., note=...) or "
+                   f"`failover-ledger attempt settle {spec.attempt_id}`"
+                   if att.state == AttemptState.UNKNOWN.value else "")
         raise SettleConflict(
             f"attempt {spec.attempt_id!r} is already settled as {att.state} with "
-            "different content; a settled attempt is immutable",
+            f"different content; a settled attempt is immutable{way_out}",
             attempt_id=spec.attempt_id, state=att.state,
         )
     if att.fence != spec.fence:

@@ -141,6 +141,29 @@ def test_begin_settle_success_posts_and_releases(led: Ledger) -> None:
     assert led.get_run("r1").posted == Decimal("0.12")
 
 
+def test_settling_an_unknown_attempt_again_is_refused_naming_settle_unknown_the_way_out(
+        led: Ledger) -> None:
+    led.admit_run("r1", plan=routes(), budget=budget(cost="1.00"))
+    lease = led.acquire_lease("r1")
+    att = led.begin_attempt(lease, route="a", envelope_hash="sha256:e", reserve="0.30")
+    led.mark_unknown(lease, att.attempt_id, "shutdown with the call out")
+    with pytest.raises(SettleConflict) as ei:
+        led.settle_attempt(lease, att.attempt_id, outcome="succeeded", cost="0.12")
+    said = str(ei.value)
+    assert "already settled as unknown" in said and ei.value.fields["state"] == "unknown"
+    assert f"Ledger.settle_unknown({att.attempt_id!r}, outcome=..., note=...)" in said
+    assert f"failover-ledger attempt settle {att.attempt_id}" in said
+    assert led.get_attempt(att.attempt_id).state is AttemptState.UNKNOWN  # nothing written
+    # The way it names is open: the evidence settles it.
+    done = led.settle_unknown(att.attempt_id, outcome="succeeded", cost="0.12",
+                              note="provider console, req 7a1")
+    assert done.state is AttemptState.SUCCEEDED
+    # A settled state that cannot move any more names no way out.
+    with pytest.raises(SettleConflict) as again:
+        led.settle_attempt(lease, att.attempt_id, outcome="failed", fact=_fail())
+    assert "settle_unknown" not in str(again.value)
+
+
 def test_a_settle_finds_the_attempts_run_and_route_whoever_began_it(
         led: Ledger, db_url: str, clock: ManualClock) -> None:
     # The ledger that began an Attempt settles it from what its begin recorded; another
