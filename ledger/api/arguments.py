@@ -125,8 +125,7 @@ def _where_not_json(value: Any, at: str = "", depth: int = 0) -> str:
 
 @rule
 def audit_data(value: Any) -> dict[str, Any]:
-    """An audit event's data: a mapping with string keys of JSON data (stored as JSON,
-    redacted)."""
+    """An audit event's data: a string-keyed mapping of JSON data (stored redacted)."""
     if not isinstance(value, Mapping) or not all(isinstance(k, str) for k in value):
         raise Problem("is not a mapping with string keys", "pass a dict such as {'why': '...'}")
     # Refused, not stored as its str(): "<object object at 0x...>" records nothing, and a NaN
@@ -167,7 +166,7 @@ Hash = Annotated[str, content_hash]
 Hashes = Annotated[Sequence[str], listing(content_hash, "content hashes",
                                           "pass e.g. [part.content_hash for part in parts]")]
 """A list of content hashes."""
-PartHashes = Annotated[Sequence[str], listing(part_hash, "part content hashes",
+PartHashList = Annotated[Sequence[str], listing(part_hash, "part content hashes",
                                               "pass e.g. [part.content_hash for part in parts]")]
 """A list of parts' content hashes (``Part.content_hash``)."""
 AuditData = Annotated[Mapping[str, Any], audit_data]
@@ -270,7 +269,7 @@ __all__ = [
     "Hashes",
     "LeaseTtl",
     "Limit",
-    "PartHashes",
+    "PartHashList",
     "RouteRef",
     "SendTime",
     "SessionOptions",

@@ -42,7 +42,7 @@ from ledger.api.arguments import (
     FoldAfter,
     Hash,
     LeaseTtl,
-    PartHashes,
+    PartHashList,
     RollupLag,
     RouteRef,
     SendTime,
@@ -162,7 +162,7 @@ def _within(part: int | None, field: str, total: int | None, of: str) -> None:
                               f"{of}, so pass at most {total}", field=field)
 
 
-def _used_nothing(said: str, usage: Mapping[str, int | Decimal | None]) -> None:
+def _used_nothing(said: str, usage: Mapping[str, object]) -> None:
     """Refuse usage or a cost given for a call that never left (recorded ``not_sent``).
 
     ``said``: how the caller said so (``outcome not_sent``, a ``before_send`` failure). Such a
@@ -1015,7 +1015,7 @@ class Face(Generic[SessionT, OpenedT]):
         model_reported: Text | None = None,
         output_hash: Hash | None = None,
         events: Events = (),
-        provenance_hashes: PartHashes = (),
+        provenance_hashes: PartHashList = (),
         repeat: Flag = False,
         cached_tokens: Tokens | None = None,
         reasoning_tokens: Tokens | None = None,
@@ -1089,7 +1089,7 @@ class Face(Generic[SessionT, OpenedT]):
             FencedOut: the Run was taken over since the Attempt began (the outcome is kept as
                 a late receipt).
         """
-        usage: dict[str, int | Decimal | None] = {
+        usage: dict[str, object] = {
             "prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "cached_tokens": cached_tokens, "reasoning_tokens": reasoning_tokens, "cost": cost}
         if outcome is Outcome.NOT_SENT:
