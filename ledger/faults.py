@@ -52,6 +52,7 @@ from collections.abc import Callable
 from typing import Literal
 
 from ledger.errors import InvalidArgument
+from ledger.forking import in_child
 
 #: The environment variable that arms points for a whole process (read once, at import).
 ENV = "LEDGER_FAULTS"
@@ -95,6 +96,13 @@ class _Armed:
 # None when nothing is armed: the whole cost of an unused point is this check.
 _ARMED: dict[str, _Armed] | None = None
 _lock = threading.Lock()
+
+
+@in_child
+def _forked_lock() -> None:
+    # A point armed or hit by another thread of the parent as the fork came held it.
+    global _lock
+    _lock = threading.Lock()
 
 
 def point(name: str) -> None:

@@ -51,6 +51,8 @@ from collections import OrderedDict
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from ledger.forking import in_child
+
 REDACTED = "[REDACTED]"
 
 #: Secrets shorter than this are not searched for verbatim.
@@ -174,6 +176,13 @@ class _Registry:
 
 
 _REGISTRY = _Registry()
+
+
+@in_child
+def _forked_registry_lock() -> None:
+    # Another thread of the parent may have held it (compiling a new secret's pattern) when the
+    # fork came; the secrets known are the child's too.
+    _REGISTRY._lock = threading.Lock()
 
 
 def register_secret(secret: str | None) -> None:
@@ -416,6 +425,12 @@ _LAZY_CHILDREN: dict[str, tuple[str, ...]] = {
     "httpcore": ("connection", "connection_pool", "http11", "http2", "proxy", "socks"),
 }
 _install_lock = threading.Lock()
+
+
+@in_child
+def _forked_install_lock() -> None:
+    global _install_lock
+    _install_lock = threading.Lock()
 _installed_for: dict[tuple[str, ...], int] = {}
 
 

@@ -22,6 +22,7 @@ import httpx
 from ledger.adapters.exchange import ACCEPT_ENCODING, DEADLINE, READ_LIMIT, BodyCutShort
 from ledger.domain.facts import Phase, Transport
 from ledger.errors import InvalidArgument
+from ledger.forking import abandon, in_child, renew_in_child
 from ledger.readiness import peer_spoke
 from ledger.redaction import register_secret
 
@@ -368,6 +369,14 @@ _TLS_CONTEXTS: dict[tuple[str, ...], ssl.SSLContext] = {}
 _TLS_LOCK = threading.Lock()
 
 
+@in_child
+def _forked_tls() -> None:
+    # Another thread of the parent may have held it, building a context, when the fork came:
+    # nothing in the child would ever release it. The contexts built are the child's too.
+    global _TLS_LOCK
+    _TLS_LOCK = threading.Lock()
+
+
 # The default configuration's proxy hop (ClientRegistry._proxy_key).
 _PROXY_DEFAULT = ("proxy-default",)
 
@@ -504,6 +513,20 @@ class ClientRegistry:
             asyncio.AbstractEventLoop, dict[str, httpx.AsyncClient]
         ] = weakref.WeakKeyDictionary()
         self._sync: dict[str, httpx.Client] = {}
+        self._sync_lock = threading.Lock()
+        renew_in_child(self)
+
+    def _forked(self) -> None:
+        """Let go of the parent's clients in a forked child (:mod:`ledger.forking`).
+
+        They keep the parent's connections to the providers open, and a socket used from both
+        processes interleaves their requests, each reading the other's answers. They are
+        abandoned, never closed (closing would shut the parent's connections) nor used; the
+        child makes its own.
+        """
+        abandon(self._sync, *self._by_loop.values())
+        self._by_loop = weakref.WeakKeyDictionary()
+        self._sync = {}
         self._sync_lock = threading.Lock()
 
     @staticmethod

@@ -74,6 +74,7 @@ from ledger.domain.bounds import (
     MAX_TOKENS,
 )
 from ledger.errors import ArgumentMismatch, InvalidArgument
+from ledger.forking import in_child
 
 M = TypeVar("M", bound=BaseModel)
 T = TypeVar("T")
@@ -511,6 +512,14 @@ _CALLS = ConfigDict(arbitrary_types_allowed=True, extra="forbid")
 # read without it. Reentrant: a build never calls a checked function, but a lock that could
 # deadlock its own thread is not worth the saving.
 _BUILDING = threading.RLock()
+
+
+@in_child
+def _forked_building() -> None:
+    # Held by another thread of the parent, building a validator, when the fork came: the
+    # child's first call of that function would wait for it for ever.
+    global _BUILDING
+    _BUILDING = threading.RLock()
 
 
 def _build(body: Callable[..., Any]) -> Callable[..., Any]:

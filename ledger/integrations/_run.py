@@ -53,6 +53,7 @@ from ledger.domain.envelope import USER_INPUT, Envelope, Part
 from ledger.domain.media import bytes_digest
 from ledger.domain.records import AttemptState
 from ledger.errors import FailoverExhausted, InvalidArgument, InvalidState, LedgerError
+from ledger.forking import in_child
 
 T = TypeVar("T")
 
@@ -217,6 +218,13 @@ class _Memory:
 
 _MEMORY: weakref.WeakKeyDictionary[Any, _Memory] = weakref.WeakKeyDictionary()
 _MEMORY_LOCK = threading.Lock()  # a blocking session's calls may start in several threads
+
+
+@in_child
+def _forked_memory_lock() -> None:
+    # Held by another thread of the parent as the fork came, it would never be released.
+    global _MEMORY_LOCK
+    _MEMORY_LOCK = threading.Lock()
 
 
 class RunLink:

@@ -15,10 +15,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import http.server
 import json
 import os
 import select
 import signal
+import threading
 import time
 from collections.abc import Callable
 from decimal import Decimal
@@ -27,6 +29,7 @@ from typing import Any
 import pytest
 
 from ledger import AsyncLedger, Budget, Envelope, Grant, Ledger, Part
+from ledger.adapters import ClientRegistry
 from ledger.api.face import storage_of
 from ledger.errors import LeaseHeld
 from ledger.storage.pgpool import own_pids, release
@@ -228,3 +231,77 @@ def test_a_forked_child_never_uses_a_connection_it_inherited(pg_url: str, fake: 
             assert _backend_pid(conn) in inherited | own_pids(pool.where)
         finally:
             release(conn)
+
+
+class _PortEcho(http.server.BaseHTTPRequestHandler):
+    """Answers each request with the client port it came from (keep-alive, HTTP/1.1)."""
+
+    protocol_version = "HTTP/1.1"
+
+    def do_GET(self) -> None:
+        body = json.dumps({"port": self.client_address[1]}).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *_args: Any) -> None:
+        pass
+
+
+def test_a_forked_child_never_uses_an_http_connection_its_parent_kept_open() -> None:
+    # An adapter's clients keep their connections to a provider open between calls: a child
+    # using the parent's would interleave its requests with the parent's on one socket, each
+    # reading the other's answers (one Attempt settled with another's answer and usage).
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _PortEcho)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}/"
+    registry = ClientRegistry()
+    try:
+        first = registry.get_sync(url).get(url).json()["port"]
+        child = Child(lambda _c: registry.get_sync(url).get(url).json()["port"])
+        assert child.result() != first
+        # The parent's connection is its own still, and serves it.
+        assert registry.get_sync(url).get(url).json()["port"] == first
+    finally:
+        registry.close()
+        server.shutdown()
+        server.server_close()
+
+
+def test_a_lock_another_thread_held_as_the_process_forked_is_free_in_the_child() -> None:
+    # Only the forking thread exists in a child: a module lock another thread of the parent
+    # held then (building a TLS context or a validator, registering a secret, arming a fault
+    # point, remembering a session) would never be released there, and the child's first use
+    # of it would hang.
+    from ledger import faults, redaction
+    from ledger.adapters import transport
+    from ledger.domain import validation
+    from ledger.integrations import _run
+
+    def locks() -> dict[str, Any]:
+        return {"tls": transport._TLS_LOCK, "building": validation._BUILDING,
+                "secrets": redaction._REGISTRY._lock, "install": redaction._install_lock,
+                "faults": faults._lock, "memory": _run._MEMORY_LOCK}
+
+    held, release_them = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with contextlib.ExitStack() as stack:
+            for lock in locks().values():
+                stack.enter_context(lock)
+            held.set()
+            release_them.wait(CHILD_S)
+
+    holder = threading.Thread(target=hold, daemon=True)
+    holder.start()
+    assert held.wait(CHILD_S)
+    try:
+        child = Child(lambda _c: {name: lock.acquire(timeout=5)
+                                  for name, lock in locks().items()})
+        got = child.result()
+    finally:
+        release_them.set()
+        holder.join()
+    assert got == dict.fromkeys(got, True) and len(got) == 6
