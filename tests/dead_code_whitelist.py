@@ -22,6 +22,8 @@ _.derive  # errors.py: ExceptionGroup.derive, called by except* when it splits t
 # forking.py: module state renewed in a forked child, registered with @in_child and called
 # through os.register_at_fork
 _._forked_executors, _._forked_own, _._forked_mine, _._forked_registry, _._forked_channels
+_._forked_tls, _._forked_building, _._forked_lock, _._forked_memory_lock
+_._forked_registry_lock, _._forked_install_lock
 
 # -- hooks of the libraries we build on -------------------------------------------------------
 _.__pydantic_base_init__  # domain/validation.py: pydantic reads it off a model's __init__
