@@ -1233,7 +1233,7 @@ class Policy(StrictModel):
     description: str = ""
     failover: FailoverPolicy = Field(default_factory=FailoverPolicy)
     classification: ClassificationPolicy = Field(default_factory=ClassificationPolicy)
-    # Empty by default, which is refused while failover is enabled (_failover_can_move_on).
+    # Empty by default; left out while failover is enabled, refused (_failover_can_move_on).
     moves_on: list[MoveRule] = Field(default_factory=list, json_schema_extra={"default": []})
     same_route_retry: list[RetryRule] = Field(default_factory=list)
     health: HealthPolicy = Field(default_factory=HealthPolicy)
@@ -1288,15 +1288,21 @@ class Policy(StrictModel):
 
     @model_validator(mode="after")
     def _failover_can_move_on(self, info: ValidationInfo) -> Policy:
-        if self.failover.enabled and not self.moves_on and _admitting(info):
-            # Only a moves_on rule makes a failure eligible for another route: without one an
-            # enabled failover would silently stop on every failure, as a disabled one does.
+        if (self.failover.enabled and not self.moves_on and "moves_on" not in self.model_fields_set
+                and _admitting(info)):
+            # Only a moves_on rule makes a provider's failure eligible for another route: left
+            # out, an enabled failover would silently stop on every failure a provider answers.
+            # Said explicitly (moves_on: []), it is a choice: a request stays on its route once
+            # sent, and a route that cannot be built is still skipped (classify), which
+            # failover.enabled: false does not do.
             raise PolicyValueError(
-                "failover.enabled is true but moves_on lists no rule, so no failure is ever "
-                "eligible for another route: every failure would stop the request",
+                "failover.enabled is true but moves_on is left out, and it defaults to no rule: "
+                "no failure a provider answers would ever be eligible for another route (only "
+                "a route that cannot be built is skipped)",
                 "add a moves_on rule, e.g. `moves_on: [{categories: [rate_limit, overloaded, "
-                "server_error, timeout, network], scope: route}]`, or set failover.enabled: "
-                "false",
+                "server_error, timeout, network], scope: route}]`; or write `moves_on: []` to "
+                "keep each request on its route once sent while still skipping routes that "
+                "cannot be built; or set failover.enabled: false to stop on every failure",
                 field="moves_on",
             )
         return self

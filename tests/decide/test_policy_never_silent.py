@@ -38,19 +38,33 @@ def _read_back_as_frozen(data: dict[str, object]) -> Policy:
 @pytest.mark.parametrize("data", [
     {"name": "mine", "failover": {"enabled": True}},
     {"name": "mine"},  # enabled by default
-    {"name": "mine", "moves_on": []},
-], ids=["enabled", "default", "empty-list"])
+], ids=["enabled", "default"])
 def test_an_enabled_failover_names_at_least_one_failure_that_moves_on(
         data: dict[str, object]) -> None:
     """``failover: {enabled: true}`` without ``moves_on`` loaded and never failed over: every
-    failure stopped the request, as a disabled failover does."""
+    failure a provider answered stopped the request."""
     [(field, problem, fix)] = _refused(data)
-    assert field == "moves_on" and "no failure is ever eligible for another route" in problem
-    assert "add a moves_on rule" in fix and "failover.enabled: false" in fix
+    assert field == "moves_on" and "moves_on is left out" in problem
+    assert "add a moves_on rule" in fix and "moves_on: []" in fix
+    assert "failover.enabled: false" in fix
     assert not _read_back_as_frozen(data).moves_on
     off = validate_policy({**data, "failover": {"enabled": False}})
     assert not off.failover.enabled and not off.moves_on
     assert validate_policy({**data, **MOVES}).moves_on
+
+
+def test_an_explicitly_empty_moves_on_keeps_a_request_on_its_route_but_skips_an_unusable_one(
+        ) -> None:
+    """``moves_on: []`` said on purpose is a policy of its own, not the silent default: no
+    provider failure moves on, yet a route that cannot be built is skipped, which
+    ``failover.enabled: false`` does not do (it stops every failure)."""
+    sticky = validate_policy({"name": "sticky", "moves_on": []})
+    assert sticky.failover.enabled and sticky.moves_on == []
+    for obs in (Observation(status=503, body="unavailable"),
+                Observation(transport=Transport.CONNECT_REFUSED)):
+        assert not classify(obs, sticky).moves_on
+    unusable = Observation(transport=Transport.CANNOT_BUILD)
+    assert classify(unusable, sticky).moves_on
 
 
 def test_the_cli_refuses_an_enabled_failover_with_no_moves_on(tmp_path: Path,
