@@ -36,6 +36,7 @@ from ledger.domain.values import (
 )
 from ledger.errors import InvalidArgument
 from ledger.policy.load import PRESETS, preset
+from ledger.policy.model import Policy
 from ledger.redaction import redact_data
 from ledger.storage.encode import event_json
 
@@ -284,6 +285,20 @@ def test_a_decision_over_two_spellings_of_a_provider_before_the_fold_is_not_deci
     assert since.version == 2 and decided_again(since, plan, goclaw)
 
 
+
+def _decided_again_as_with(rec: Any, plan: list[Route], policy: Policy,
+                           health: dict[str, Health]) -> Any:
+    """``rec``'s decision made again, asserted to be the selector's over ``health`` as it was
+    recorded (the keys read as recorded, none folded)."""
+    assert decided_again(rec, plan, policy)
+    inp = SelectionInput(plan=plan, policy=policy, now=NOW, role="research",
+                         permissions=RunPermissions(retries_left=2, calls_left=2),
+                         request=Envelope(parts=[Part(content="x")]), health=health)
+    again = select(selection_input(rec, plan=plan, policy=policy, role="research", grant=None,
+                                   failure=None))
+    assert again == select(replace(inp, verdicts=preflight_verdicts(inp)))
+    return again
+
 @pytest.mark.parametrize("version", [1, 2])
 def test_a_route_id_spelled_like_a_provider_key_is_read_as_recorded(version: int) -> None:
     # failure-domain keys health by route: the route provider:Foo cooled under its own id, and
@@ -294,14 +309,7 @@ def test_a_route_id_spelled_like_a_provider_key_is_read_as_recorded(version: int
     record = _recorded(plan, cooling, version, policy="failure-domain")
     rec = _read(record, plan, "failure-domain")
     assert set(rec.health) == {"provider:Foo"}
-    policy = POLICIES["failure-domain"]
-    assert decided_again(rec, plan, policy)
-    inp = SelectionInput(plan=plan, policy=policy, now=NOW, role="research",
-                         permissions=RunPermissions(retries_left=2, calls_left=2),
-                         request=Envelope(parts=[Part(content="x")]), health=cooling)
-    again = select(selection_input(rec, plan=plan, policy=policy, role="research", grant=None,
-                                   failure=None))
-    assert again == select(replace(inp, verdicts=preflight_verdicts(inp)))
+    again = _decided_again_as_with(rec, plan, POLICIES["failure-domain"], cooling)
     assert again.route is not None and again.route.id == "b"
 
 
@@ -314,14 +322,7 @@ def test_a_profile_id_spelled_like_a_provider_key_is_read_as_recorded(version: i
     cooling = {"provider:Foo": Health(key="provider:Foo", cooldown_until=NOW + 60)}
     rec = _read(_recorded(plan, cooling, version, policy="fased"), plan, "fased")
     assert set(rec.health) == {"provider:Foo"}
-    policy = POLICIES["fased"]
-    assert decided_again(rec, plan, policy)
-    inp = SelectionInput(plan=plan, policy=policy, now=NOW, role="research",
-                         permissions=RunPermissions(retries_left=2, calls_left=2),
-                         request=Envelope(parts=[Part(content="x")]), health=cooling)
-    again = select(selection_input(rec, plan=plan, policy=policy, role="research", grant=None,
-                                   failure=None))
-    assert again == select(replace(inp, verdicts=preflight_verdicts(inp)))
+    again = _decided_again_as_with(rec, plan, POLICIES["fased"], cooling)
     assert (again.route_id, again.profile) == ("a", "foo:key")
 
 

@@ -104,11 +104,9 @@ def test_an_admission_interrupted_as_any_of_its_statements_returns_leaves_no_loc
             _later_sessions_go_through(led, f"after-{k}")
 
 
-def test_an_admission_interrupted_before_reading_its_rows_leaves_no_lock_held(
-        db_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The interruption lands after the driver returned, before the result's rows are read:
-    SQLAlchemy sees nothing of it. Left live, the statement kept a SQLite connection's
-    snapshot, so its next write transaction was refused ``database is locked``."""
+def _interrupting_the_next_read(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
+    """A KeyboardInterrupt as a result's one row is read, once each time ``armed[0]`` is set
+    (SQLAlchemy's ``Result.one``: after the driver returned, before the rows are read)."""
     armed = [False]
     real_one = Result.one
 
@@ -119,6 +117,15 @@ def test_an_admission_interrupted_before_reading_its_rows_leaves_no_lock_held(
         return real_one(self)
 
     monkeypatch.setattr(Result, "one", one)
+    return armed
+
+
+def test_an_admission_interrupted_before_reading_its_rows_leaves_no_lock_held(
+        db_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The interruption lands after the driver returned, before the result's rows are read:
+    SQLAlchemy sees nothing of it. Left live, the statement kept a SQLite connection's
+    snapshot, so its next write transaction was refused ``database is locked``."""
+    armed = _interrupting_the_next_read(monkeypatch)
     kept: list[BaseException] = []
     with Ledger.open(_bounded(db_url)) as led:
         for k in range(3):  # more than the pool holds idle, so that every one is used again
@@ -137,16 +144,7 @@ def test_a_connection_an_interruption_cut_a_transaction_short_on_is_not_used_aga
 
     path = str(tmp_path / "ledger.db")
     shutil.copyfile(sqlite_template, path)
-    armed = [False]
-    real_one = Result.one
-
-    def one(self: Result[Any]) -> Any:
-        if armed[0]:
-            armed[0] = False
-            raise KeyboardInterrupt
-        return real_one(self)
-
-    monkeypatch.setattr(Result, "one", one)
+    armed = _interrupting_the_next_read(monkeypatch)
     used: list[Any] = []
     with Ledger.open(_bounded(path)) as led:
         engine = storage_of(led).context.engine
