@@ -329,12 +329,23 @@ async def _turn_async(ledger: AsyncFace[Any, Any], lease: Lease, envelope: Reque
                               held or (lambda: lease))
 
 
-def _advance(gen: Steps, value: Any, error: BaseException | None) -> tuple[bool, Any]:
-    """Resume the loop with an effect's result (or its error): (finished, effect or result)."""
+def _advance(gen: Steps, value: Any, error: BaseException | None,
+             pending: BaseException | None = None) -> tuple[bool, Any]:
+    """Resume the loop with an effect's result (or its error): (finished, effect or result).
+
+    ``pending``: an interruption the driver holds for the loop's next effect. A loop that
+    raises before it reaches one (a begin whose refusal it learned by doing the interrupted
+    write again) would lose it: the interruption is raised instead, the loop's error its
+    context, so a Ctrl-C or a cancellation is never swallowed.
+    """
     try:
         return False, (gen.throw(error) if error is not None else gen.send(value))
     except StopIteration as stop:
         return True, stop.value
+    except Exception:
+        if pending is None:
+            raise
+        raise pending  # noqa: B904 - the interruption stands; the loop's error is its context
 
 
 def _writes(eff: Effect[Any]) -> bool:
@@ -370,7 +381,7 @@ def _drive_sync(gen: Steps, perform_one: Callable[[Effect[Any]], Any]) -> RunRes
                             # Refused unread: the interrupted try's outcome stays unknown, and
                             # the loop hears the interruption there (it settles what it can).
                             error, pending = e, None
-        done, item = _advance(gen, value, error)
+        done, item = _advance(gen, value, error, pending)
     if pending is not None:
         raise pending  # the turn's last write completed; the interruption still stands
     return item  # type: ignore[no-any-return]
@@ -419,7 +430,7 @@ async def _drive_async(gen: Steps, ledger: AsyncFace[Any, Any], send: SendFn, sl
                 value = await _perform_async(ledger, item, send, sleeper, on_notice, held)
             except BaseException as e:
                 error = e
-        done, item = _advance(gen, value, error)
+        done, item = _advance(gen, value, error, pending)
     if pending is not None:
         raise pending  # the turn's last write completed; the cancellation still stands
     return item  # type: ignore[no-any-return]

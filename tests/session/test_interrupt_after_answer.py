@@ -179,3 +179,43 @@ def test_a_cancellation_of_the_async_caller_after_the_answer_settles_it_as_answe
 
         asyncio.run(main())
         _answered_truthfully(sync, fake, AttemptState.SUCCEEDED)
+
+
+@pytest.mark.parametrize("asynchronous", [False, True], ids=["sync", "async"])
+def test_an_interruption_as_a_refused_begin_commits_is_never_swallowed(
+        db_url: str, fake: FakeProvider, asynchronous: bool) -> None:
+    """The group is full, the begin commits its refusal, and a Ctrl-C lands right after. The
+    driver does the same begin once more to learn its outcome (the refusal, recorded) and was
+    to deliver the interruption next; but the loop raised on the refused record first ("already
+    rejected; it is not sent again"), and the interruption was lost: the caller got another
+    error, and a cancelled task would not have ended as cancelled."""
+    from ledger.policy.load import preset, validate_policy
+
+    data = preset("failure-domain").model_dump(mode="json")
+    data["admission"]["max_capacity_wait_s"] = 0  # refused at once, never queued
+    policy = validate_policy({**data, "name": "no-wait"})
+    routes = plan(fake)
+    group = routes[0].group
+    try:
+        with Ledger.open(db_url) as led:
+            led.configure_group(group, max_in_flight=1)
+            led.admit_run("holder", plan=routes, budget=BUDGET, grant=GRANT)
+            held = led.acquire_lease("holder", ttl_s=3600)
+            led.begin_attempt(held, route=routes[0].id, envelope_hash="sha256:held", reserve="0")
+        faults.arm("begin.after_commit", _ctrl_c)
+        if asynchronous:
+            async def main() -> None:
+                async with AsyncLedger.open(db_url) as aled, aled.run(
+                        "r", plan=[routes[0]], budget=BUDGET, grant=GRANT,
+                        policy=policy) as run:
+                    await run.turn(ASK)
+
+            with pytest.raises(KeyboardInterrupt):
+                asyncio.run(main())
+        else:
+            with Ledger.open(db_url) as led, pytest.raises(KeyboardInterrupt), led.run(
+                    "r", plan=[routes[0]], budget=BUDGET, grant=GRANT, policy=policy) as run:
+                run.turn(ASK)
+    finally:
+        faults.disarm()
+    assert fake.requests == []
