@@ -139,8 +139,28 @@ LEDGER_FACTS: Mapping[Transport, Category] = MappingProxyType(
 #: Categories only :data:`LEDGER_FACTS` establish: no provider's response is one.
 LEDGER_CATEGORIES: tuple[Category, ...] = tuple(dict.fromkeys(LEDGER_FACTS.values()))
 
-#: A category a failure rule (moves_on, same_route_retry, cooldown, disables) may name.
+#: A category a move rule (moves_on) may name.
 RuleCategory = Annotated[Category, AfterValidator(_not_a_caller_fact), _CallerFactsExcluded]
+
+
+def _not_a_route_rule_fact(category: Category, info: ValidationInfo) -> Category:
+    _not_a_caller_fact(category, info)
+    if category in LEDGER_CATEGORIES and _admitting(info):
+        # The turn never retries a route it could not build, and settling never cools or
+        # disables one (nothing reached the route): a rule naming it would load and never act.
+        raise PolicyValueError(
+            f"{category.value!r} is the ledger's own fact (this process could not build the "
+            "request, transport cannot_build): such a route is skipped and never retried, "
+            "cooled or disabled, so this rule would never act on it",
+            f"remove {category.value!r} from this list",
+        )
+    return category
+
+
+#: A category a rule about the route itself (same_route_retry, cooldown, disables) may name:
+#: neither the caller's own fact nor the ledger's.
+RouteRuleCategory = Annotated[Category, AfterValidator(_not_a_route_rule_fact),
+                              _Excluded(CALLER_CATEGORIES + LEDGER_CATEGORIES)]
 
 
 def _classified_as_caller_fact(category: Category, info: ValidationInfo,
@@ -500,7 +520,7 @@ class RetryRule(_Section):
     Without ``honor_retry_after`` hints are not read, so a cap is refused there.
     """
 
-    categories: Annotated[list[RuleCategory], _CATEGORIES] = Field(default_factory=list)
+    categories: Annotated[list[RouteRuleCategory], _CATEGORIES] = Field(default_factory=list)
     transports: Annotated[list[Transport], _TRANSPORTS] = Field(default_factory=list)
     max: WholeNumber = Field(default=0, ge=0)
     delays_s: list[Seconds] = Field(default_factory=list)
@@ -867,7 +887,8 @@ class DisableRule(_Section):
     name one provider, and are refused).
     """
 
-    categories: Annotated[list[RuleCategory], _CATEGORIES] = Field(json_schema_extra=_NON_EMPTY)
+    categories: Annotated[list[RouteRuleCategory], _CATEGORIES] = Field(
+        json_schema_extra=_NON_EMPTY)
     base_s: PositiveSeconds = 18_000.0
     factor: Number = Field(default=2.0, ge=1.0, le=1000.0, allow_inf_nan=False)
     cap_s: PositiveSeconds = 86_400.0
@@ -921,7 +942,7 @@ class HealthPolicy(_Section):
     # profiles, else per route; "provider": every route of one provider shares one row, keyed
     # ``provider:<name>`` (GoClaw's cooldowns and usage stats belong to the provider).
     key: Literal["route", "profile", "provider"] = "route"
-    cooldown_categories: Annotated[list[RuleCategory], _CATEGORIES] = Field(
+    cooldown_categories: Annotated[list[RouteRuleCategory], _CATEGORIES] = Field(
         default_factory=lambda: [
             Category.OVERLOADED,
             Category.SERVER_ERROR,

@@ -1,8 +1,8 @@
 """A policy setting that could never do what it says is refused at load, naming the field and the
 fix: an enabled failover with nothing that moves on, a provider's failure classified as the
-ledger's own ``unusable``, a Retry-After cap on a rule that reads no hints, and a retry rule's
-transport kind that an earlier rule's category already takes. A Run admitted before these rules
-reads its policy back as it was (invariant 5)."""
+ledger's own ``unusable`` (or a retry, cooldown or disable rule naming it), a Retry-After cap on
+a rule that reads no hints, and a retry rule's transport kind that an earlier rule's category
+already takes. A Run admitted before these rules reads its policy back as it was (invariant 5)."""
 
 from __future__ import annotations
 
@@ -112,6 +112,34 @@ def test_the_ledgers_own_transport_kind_may_still_say_unusable() -> None:
     assert policy.classification.transports == {Transport.CANNOT_BUILD: Category.UNUSABLE}
     fact = classify(Observation(transport=Transport.CANNOT_BUILD), policy)
     assert fact.category is Category.UNUSABLE
+
+
+@pytest.mark.parametrize(("section", "field"), [
+    ({"same_route_retry": [{"categories": ["unusable"], "max": 2, "delays_s": [1, 2]}]},
+     "same_route_retry[0].categories[0]"),
+    ({"health": {"cooldown_categories": ["overloaded", "unusable"]}},
+     "health.cooldown_categories[1]"),
+    ({"health": {"cooldown_categories": [], "disables": [{"categories": ["unusable"]}]}},
+     "health.disables[0].categories[0]"),
+], ids=["same_route_retry", "cooldown", "disables"])
+def test_no_rule_about_the_route_itself_names_the_ledgers_own_unusable(
+        section: dict[str, object], field: str) -> None:
+    """A route that cannot be built is skipped: the turn never retries it and a settle never
+    cools or disables it, so ``same_route_retry``, ``cooldown_categories`` or ``disables``
+    naming ``unusable`` loaded and never acted."""
+    data = {"name": "t", **MOVES, **section}
+    [(got, problem, fix)] = _refused(data)
+    assert got == field and "the ledger's own fact" in problem
+    assert "never retried, cooled or disabled" in problem
+    assert fix == "remove 'unusable' from this list"
+    assert _read_back_as_frozen(data).name == "t"
+
+
+def test_a_move_rule_may_name_unusable_as_it_moves_on_anyway() -> None:
+    """Listing ``unusable`` in ``moves_on`` says what the turn does (the route is skipped), so
+    it still loads."""
+    policy = validate_policy({"name": "t", "moves_on": [{"categories": ["unusable"]}]})
+    assert classify(Observation(transport=Transport.CANNOT_BUILD), policy).moves_on
 
 
 # -- a Retry-After cap where no hint is read ---------------------------------------------------
