@@ -61,6 +61,7 @@ from ledger.domain.envelope import (
 )
 from ledger.domain.facts import WireProtocol
 from ledger.domain.media import (
+    UNREAD_IMAGE_TYPES,
     URL_KINDS,
     MediaKind,
     bytes_over,
@@ -599,6 +600,14 @@ def _media_capability(route: Route, needs: RequestNeeds) -> list[tuple[str, str]
                         f"{shown}; route {route.id!r} takes {what}s up to "
                         f"{bound} (max_{what}_bytes)",
                         f"send a smaller {what}, or plan a route that takes larger ones"))
+    unread = UNREAD_IMAGE_TYPES.get(route.protocol, frozenset())
+    odd = [m for m in images if m.media_type in unread]
+    if odd and caps.image_input is not False:
+        m = odd[0]
+        out.append((f"image input: part {m.index} is {m.media_type}, which protocol "
+                    f"{route.protocol.value} does not read (route {route.id!r})",
+                    f"send the image as PNG, JPEG or WEBP, or plan a route whose protocol "
+                    f"reads {m.media_type} (see docs/adapters.md)"))
     links = [m for m in needs.media if m.link]
     if links and caps.url_input is False:
         m = links[0]

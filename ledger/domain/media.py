@@ -12,7 +12,7 @@ media type             kind            wire (see docs/adapters.md)
 =====================  ==============  ===============================================
 ``image/png``          ``image``       every protocol's image block
 ``image/jpeg``         ``image``
-``image/gif``          ``image``
+``image/gif``          ``image``       (not Gemini's: a route of it is skipped)
 ``image/webp``         ``image``
 ``application/pdf``    ``pdf``         every protocol's document / file block
 ``text/plain``         ``text``        text where the protocol has no text document
@@ -464,6 +464,14 @@ URL_KINDS: dict[WireProtocol, frozenset[MediaKind]] = {
 }
 
 
+#: Image types a protocol's providers refuse although the ledger accepts them. Gemini reads PNG,
+#: JPEG, WEBP, HEIC and HEIF, not GIF (its image-understanding docs list the types; a GIF is
+#: answered 400 ``INVALID_ARGUMENT``), inline or by link alike.
+UNREAD_IMAGE_TYPES: dict[WireProtocol, frozenset[str]] = {
+    WireProtocol.GEMINI: frozenset({"image/gif"}),
+}
+
+
 def human_bytes(n: int) -> str:
     """``n`` bytes for a message: ``512 B``, ``3.2 KiB``, ``20 MiB``."""
     value = float(n)
@@ -496,6 +504,7 @@ __all__ = [
     "MEDIA_MEMO_BYTES",
     "PDF_INFLATE_BYTES",
     "REASONING_MEDIA_TYPE",
+    "UNREAD_IMAGE_TYPES",
     "URL_KINDS",
     "DataUrlError",
     "MediaKind",

@@ -44,6 +44,8 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 _IMAGES = ("image/png", "image/jpeg", "image/gif", "image/webp")
+# Gemini reads no GIF (its image docs list PNG, JPEG, WEBP, HEIC and HEIF).
+_GEMINI_IMAGES = tuple(t for t in _IMAGES if t != "image/gif")
 _DOCUMENTS = ("application/pdf", "text/plain")
 _SIGNATURES = {"image/png": b"\x89PNG\r\n\x1a\n", "image/jpeg": b"\xff\xd8\xff",
                "image/gif": b"GIF8", "application/pdf": b"%PDF-"}
@@ -588,7 +590,7 @@ def _gemini(obj: dict[str, Any], model: str | None) -> list[ReceivedMedia]:
             if inline is not None:
                 inline = _obj(inline, f"{where}.inline_data")
                 mt = inline.get("mime_type", inline.get("mimeType"))
-                if mt not in _IMAGES + _DOCUMENTS:
+                if mt not in _GEMINI_IMAGES + _DOCUMENTS:
                     raise BadRequest(f"{where}.inline_data.mime_type: unsupported {mt!r}")
                 data = _b64(inline.get("data"), f"{where}.inline_data.data")
                 _fits(mt, data, where)
@@ -600,7 +602,7 @@ def _gemini(obj: dict[str, Any], model: str | None) -> list[ReceivedMedia]:
                 mt = file_data.get("mime_type", file_data.get("mimeType"))
                 if not isinstance(uri, str) or not uri.startswith("https://"):
                     raise BadRequest(f"{where}.file_data.file_uri must be an https:// URI")
-                if mt not in _IMAGES + _DOCUMENTS:
+                if mt not in _GEMINI_IMAGES + _DOCUMENTS:
                     raise BadRequest(f"{where}.file_data.mime_type: unsupported {mt!r}")
                 media.append(ReceivedMedia(mt, None, uri, role=role))
     _gemini_responses(contents)

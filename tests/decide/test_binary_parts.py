@@ -353,6 +353,22 @@ def test_a_protocol_that_carries_no_pdf_link_fails_capability_whatever_the_route
         assert preflight(route(protocol), env, grant=None, role="research").ok
 
 
+def test_a_gif_fails_capability_on_gemini_only_whatever_the_route_says() -> None:
+    for part in (Part(data=gif(), media_type="image/gif"),
+                 Part(url="https://x.example/a.gif", media_type="image/gif")):
+        env = Envelope(parts=[Part(content="What moves?"), part])
+        first = preflight(route(WireProtocol.GEMINI, image_input=True), env, grant=None,
+                          role="research").first
+        assert first is not None and first.check is Check.CAPABILITY
+        assert first.detail.startswith("image input: part 1 is image/gif")
+        for protocol in (WireProtocol.OPENAI, WireProtocol.OPENAI_RESPONSES,
+                         WireProtocol.ANTHROPIC, WireProtocol.GENERIC):
+            assert preflight(route(protocol), env, grant=None, role="research").ok
+    for mt, data in (("image/png", png()), ("image/jpeg", jpeg()), ("image/webp", webp())):
+        env = Envelope(parts=[Part(data=data, media_type=mt)])
+        assert preflight(route(WireProtocol.GEMINI), env, grant=None, role="research").ok
+
+
 def test_disclosure_applies_to_binary_parts_by_their_data_class() -> None:
     doc = document(data_class=PRIVATE_DOCUMENT, provenance="doc-10k")
     env = Envelope(parts=[Part(content="Summarise."), doc])

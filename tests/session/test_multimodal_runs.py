@@ -42,7 +42,7 @@ from ledger.policy.model import EnvelopePolicy
 from ledger.testing import Behavior, FakeProvider, Fault
 from tests import fakeplan
 from tests.fakeplan import PRICE, plan, tool_call_ids
-from tests.media import pdf, png
+from tests.media import gif, pdf, png
 
 fake = fakeplan.fake
 _clear = fakeplan._clear
@@ -113,6 +113,31 @@ def test_a_route_that_cannot_read_images_is_skipped_before_any_switch(
                                               grant=GRANT) as run:
         # The capability is about the envelope: a text-only turn goes to the primary.
         assert run.turn(Envelope(parts=[QUESTION])).route.id == "primary"
+
+
+@pytest.mark.parametrize("link", [False, True], ids=["data", "link"])
+def test_a_gif_skips_a_gemini_route_before_any_attempt_and_goes_to_one_that_reads_it(
+        db_url: str, fake: FakeProvider, link: bool) -> None:
+    """Gemini reads PNG, JPEG, WEBP, HEIC and HEIF, and answers a GIF with a 400 (the fake
+    does too): sent, the Attempt failed ``format`` and the turn stopped with the backup that
+    reads GIFs never tried."""
+    gemini, _ = plan(fake, "gemini")
+    _, claude = plan(fake, "anthropic")
+    moving = (Part(url="https://files.example/anim.gif", media_type="image/gif") if link
+              else Part(data=gif(16, 16), media_type="image/gif"))
+    with Ledger.open(db_url) as led, led.run("gif", plan=[gemini, claude], budget=BUDGET,
+                                              grant=GRANT) as run:
+        result = run.turn(Envelope(parts=[QUESTION, moving]))
+        assert result.route.id == "backup" and len(result.attempts) == 1
+        (select,) = [e.data for e in led.events("gif", ["select"])]
+        (skip,) = select["skipped"]
+        assert (skip["route"], skip["reason"]) == ("primary", "capability")
+        assert skip["detail"].startswith("image input: part 1 is image/gif")
+        assert "gemini" in skip["detail"] and "PNG, JPEG or WEBP" in skip["fix"]
+    assert [r.protocol for r in fake.requests] == ["anthropic"]  # nothing went to Gemini
+    with Ledger.open(db_url) as led, led.run("png", plan=[gemini, claude], budget=BUDGET,
+                                              grant=GRANT) as run:
+        assert run.turn(Envelope(parts=[QUESTION, chart()])).route.id == "primary"
 
 
 @pytest.mark.parametrize(("caps", "part", "detail"), [
