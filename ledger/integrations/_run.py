@@ -541,33 +541,44 @@ class RunLink:
                 return list(result.parts)
             # Read once per session: while it holds the lease no other executor records.
             recorded = await self._call(self.run.ledger.provenance(self.run.run_id))
-            memory.call_ids = set(recorded)
-        memory.call_ids.update(used)
-        taken = set(memory.call_ids)
+            with memory.lock:
+                if memory.call_ids is None:
+                    memory.call_ids = set(recorded)
+                else:  # another turn of the session read them meanwhile, and took ids since
+                    memory.call_ids.update(recorded)
+        # Each id is claimed at once, under the lock: turns of one session run at once (tasks
+        # awaiting between the claim and the records, or a blocking session's threads).
+        claimed: list[tuple[Part, str | None]] = []
+        with memory.lock:
+            taken = memory.call_ids
+            assert taken is not None
+            taken.update(used)
+            index = 0
+            for part in result.parts:
+                call_id = part.tool_call_id
+                new_id = None
+                if call_id is not None:
+                    if _PLACEHOLDER.fullmatch(call_id) or call_id in taken:
+                        new_id = "call_" + hashlib.sha256(f"{attempt_id}/{index}".encode()) \
+                            .hexdigest()[:24]
+                    taken.add(new_id or call_id)
+                    index += 1
+                claimed.append((part, new_id))
         out: list[Part] = []
         renamed: list[Part] = []
-        index = 0
-        for part in result.parts:
-            call_id = part.tool_call_id
-            if call_id is None:
-                out.append(part)
-                continue
-            if _PLACEHOLDER.fullmatch(call_id) or call_id in taken:
-                new_id = "call_" + hashlib.sha256(f"{attempt_id}/{index}".encode()) \
-                    .hexdigest()[:24]
+        for part, new_id in claimed:
+            if new_id is not None:
                 fresh = Part.model_validate({**part.model_dump(), "tool_call_id": new_id})
                 # The ledger's own record under the Attempt: a host's may not name one.
                 await self._call(self.run.ledger._record_tool_call(
                     self.run.lease, attempt_id, fresh.content_hash))
                 await self._call(self.run.ledger.append_event(
                     self.run.lease, "tool_call_id",
-                    {"provider_id": call_id, "call_id": new_id}, attempt_id=attempt_id))
+                    {"provider_id": part.tool_call_id, "call_id": new_id},
+                    attempt_id=attempt_id))
                 renamed.append(fresh)
                 part = fresh
-            taken.add(part.tool_call_id or "")
-            memory.call_ids.add(part.tool_call_id or "")
             out.append(part)
-            index += 1
         if renamed:
             await self._call(self.run.adopt_tool_calls(renamed))
         return out
