@@ -666,13 +666,42 @@ class LedgerChatModel(BaseChatModel):
             raise outcome
         yield _last_chunk(drive(self._served(outcome, envelope)))
 
+    async def _astream_blocking(self, messages: list[BaseMessage], stop: list[str] | None,
+                                run_manager: AsyncCallbackManagerForLLMRun | None,
+                                **kwargs: Any) -> AsyncIterator[ChatGenerationChunk]:
+        """A blocking session's :meth:`_stream`, each step in a worker thread.
+
+        LangChain's default does the same but lets the event loop close the stream when the
+        reader leaves early, and closing it waits for the turn's thread (the turn runs to its
+        end): every task of the loop stalled until then. Here the close runs in a worker
+        thread too, after any step still running there (a cancelled reader's).
+        """
+        sync_manager = run_manager.get_sync() if run_manager is not None else None
+        chunks = await run_in_executor(None, self._stream, messages, stop, sync_manager,
+                                       **kwargs)
+        lock = threading.Lock()  # a generator runs in one thread at a time
+        done = object()
+
+        def step() -> Any:
+            with lock:
+                return next(chunks, done)
+
+        def close() -> None:
+            with lock:
+                getattr(chunks, "close", lambda: None)()  # a generator: its finally runs
+
+        try:
+            while (chunk := await run_in_executor(None, step)) is not done:
+                yield chunk
+        finally:
+            await run_in_executor(None, close)
+
     async def _astream(self, messages: list[BaseMessage], stop: list[str] | None = None,
                        run_manager: AsyncCallbackManagerForLLMRun | None = None,
                        **kwargs: Any) -> AsyncIterator[ChatGenerationChunk]:
         link = self._link
         if not link.is_async:
-            async for chunk in super()._astream(messages, stop=stop, run_manager=run_manager,
-                                                **kwargs):
+            async for chunk in self._astream_blocking(messages, stop, run_manager, **kwargs):
                 yield chunk
             return
         link.check_open()

@@ -14,8 +14,10 @@ import json
 import os
 import pickle
 import re
+import socket
 import subprocess
 import sys
+import threading
 import time
 from decimal import Decimal
 from pathlib import Path
@@ -52,6 +54,8 @@ from ledger.clock import ManualClock
 from ledger.domain.facts import WireProtocol
 from ledger.domain.records import AttemptState
 from ledger.integrations.langchain import LedgerChatModel, LedgerMiddleware, LedgerStop
+from ledger.policy.load import preset
+from ledger.policy.model import StreamingPolicy
 from ledger.testing import Behavior, FakeProvider, Fault
 from tests import fakeplan
 from tests.fakeplan import (
@@ -300,6 +304,72 @@ def test_a_blocking_agent_on_a_blocking_run_invokes_and_streams(
         assert "".join(pieces) == FULL_TEXT and len([p for p in pieces if p]) > 1
         assert [a.state for a in led.timeline("sync")] == [AttemptState.FAILED] + \
             [AttemptState.SUCCEEDED] * 3
+
+
+def _gated_stream(released: threading.Event) -> tuple[str, threading.Thread]:
+    """A chat-completions endpoint on loopback that streams its first piece, then the rest
+    only once ``released`` is set (within 30 s): the turn can end only after that."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+
+    def event(obj: dict[str, Any]) -> bytes:
+        return b"data: " + json.dumps({"id": "c", "object": "chat.completion.chunk",
+                                       "created": 0, "model": "m", **obj}).encode() + b"\n\n"
+
+    def serve() -> None:
+        with listener, listener.accept()[0] as conn:
+            got = b""
+            while b"\r\n\r\n" not in got:
+                got += conn.recv(65536)
+            head, body = got.split(b"\r\n\r\n", 1)
+            length = int(re.search(rb"(?i)content-length: *(\d+)", head).group(1))  # type: ignore[union-attr]
+            while len(body) < length:
+                body += conn.recv(65536)
+            conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+                         b"connection: close\r\n\r\n" + event({"choices": [
+                             {"index": 0, "delta": {"role": "assistant", "content": "Hello"},
+                              "finish_reason": None}]}))
+            released.wait(30)
+            conn.sendall(event({"choices": [{"index": 0, "delta": {"content": " there."},
+                                             "finish_reason": "stop"}]})
+                         + event({"choices": [], "usage": {"prompt_tokens": 5,
+                                                           "completion_tokens": 2,
+                                                           "total_tokens": 7}})
+                         + b"data: [DONE]\n\n")
+
+    server = threading.Thread(target=serve, name="gated-stream", daemon=True)
+    server.start()
+    return f"http://127.0.0.1:{port}/v1", server
+
+
+def test_leaving_an_astream_of_a_blocking_run_early_never_blocks_the_event_loop(
+        db_url: str) -> None:
+    """Closing the stream waits for the turn, which runs to its end: LangChain's default
+    closed it on the event loop, so every task of the loop (here, the one that lets the
+    provider finish) stalled until the turn's total limit cut it."""
+    released = threading.Event()
+    endpoint, server = _gated_stream(released)
+    route = Route(id="primary", provider="fake", model="m", group="ga", recipient="fake",
+                  endpoint=endpoint, price=PRICE)
+    policy = preset("failure-domain").model_copy(update={"streaming": StreamingPolicy(
+        connect_timeout_s=5, read_timeout_s=5, first_token_timeout_s=5, idle_timeout_s=5,
+        total_timeout_s=5)})  # the bound of a stalled loop: a miss fails, it never hangs
+
+    async def leave_early(model: LedgerChatModel) -> None:
+        stream = model.astream("Hello?")
+        async for _ in stream:
+            break
+        await stream.aclose()
+        for _ in range(10):  # whatever closing the loop scheduled runs first
+            await asyncio.sleep(0)
+        released.set()
+
+    with Ledger.open(db_url) as led, led.run("early", plan=[route], budget=BUDGET,
+                                              grant=GRANT, policy=policy) as run:
+        asyncio.run(leave_early(LedgerChatModel(run)))
+        (attempt,) = led.timeline("early")
+        assert attempt.state is AttemptState.SUCCEEDED, attempt
+    server.join(5)
 
 
 class Verdict(BaseModel):
