@@ -468,6 +468,7 @@ class LedgerModel(Model):
     async def request(self, messages: list[ModelMessage], model_settings: ModelSettings | None,
                       model_request_parameters: ModelRequestParameters) -> ModelResponse:
         """Serve one request of the agent as one turn of the Run (buffered)."""
+        self._link.check_open()
         settings, params = self.prepare_request(model_settings, model_request_parameters)
         envelope = await self.envelope(messages, settings, params, stream=False)
         turn_id = await self._link.guard(envelope)
@@ -494,6 +495,7 @@ class LedgerModel(Model):
         Text reaches the agent as it arrives (and so counts as delivered output); tool calls
         come once the answer is complete.
         """
+        self._link.check_open()
         settings, params = self.prepare_request(model_settings, model_request_parameters)
         envelope = await self.envelope(messages, settings, params, stream=True)
         turn_id = await self._link.guard(envelope)

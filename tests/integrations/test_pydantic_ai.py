@@ -43,6 +43,7 @@ from ledger import (
     FailoverExhausted,
     Grant,
     InvalidArgument,
+    InvalidState,
     Ledger,
     Price,
     ProviderError,
@@ -516,6 +517,33 @@ def test_a_blocking_run_session_is_refused_naming_its_type_and_the_fix(
     assert "(got RunSession)" in str(info.value) and " at 0x" not in str(info.value)
     assert "async with led.run(...) as run" in str(info.value)
     assert fake.requests == []
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["run", "run_stream"])
+def test_a_model_used_outside_its_runs_block_is_refused_as_not_entered_or_ended(
+        db_url: str, fake: FakeProvider, stream: bool) -> None:
+    """Before the block a request read the Run's timeline and raised ``NotFound: unknown run
+    id``, where LangChain and the Agents SDK say the session is not entered yet."""
+    async def ask(agent: Agent[None, str]) -> None:
+        if stream:
+            async with agent.run_stream("Hi") as result:
+                await result.get_output()
+        else:
+            await agent.run("Hi")
+
+    async def main() -> None:
+        async with AsyncLedger.open(db_url) as led:
+            session = led.run("outside", plan=plan(fake), budget=BUDGET, grant=GRANT)
+            with pytest.raises(InvalidState, match="has not been entered yet"):
+                await ask(Agent(LedgerModel(session)))
+            async with session as run:
+                agent = Agent(LedgerModel(run))
+                await ask(agent)
+            with pytest.raises(InvalidState, match="has ended"):
+                await ask(agent)
+
+    asyncio.run(main())
+    assert len(fake.requests) == 1
 
 
 def test_history_the_run_did_not_produce_is_refused_before_sending(
