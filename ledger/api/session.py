@@ -565,8 +565,10 @@ class _SessionCore:
         and added to it as a note), never replaced by what its exit ran into. Either says when
         the exit stays remembered (``error.fields["deferred"]``: the database did not answer).
         """
-        later = ("; this process finishes the Run and releases its lease as soon as the "
-                 "database answers again (its next write for the Run, or the ledger's close())"
+        later = ("; this process finishes the Run and releases its lease at its next write "
+                 "for the Run (a new session of it) or the ledger's close(), if the lease has "
+                 f"not lapsed by then ({self.lease_ttl_s:g} s after its last renewal); "
+                 "otherwise the Run stays running until a session of it ends it"
                  if error.fields.get("deferred") else "")
         if exc is None:
             if later:
@@ -1406,10 +1408,15 @@ class AsyncRunSession(_SessionCore):
         task = asyncio.ensure_future(self._finish(exc))
         try:
             cancelled = await outlast(task)
-            if not task.cancelled():
-                task.result()  # the finish's own error, if it raised
+            failed = None if task.cancelled() else task.exception()
             if cancelled is not None:
-                raise cancelled
+                # The cancellation is the news, as an interruption of a sync exit is: what the
+                # finish ran into (it raised only after a block that succeeded) is noted on it.
+                if isinstance(failed, LedgerError):
+                    self._unfinished(cancelled, failed)
+                raise cancelled from failed
+            if failed is not None:
+                raise failed
         finally:
             self._free()  # the finish has ended (outlasted): see RunSession.__exit__
             if self._owns_adapter and self._adapter is not None:

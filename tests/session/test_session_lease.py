@@ -365,6 +365,57 @@ def test_a_block_cancelled_again_and_again_while_leaving_still_finishes_and_rele
     asyncio.run(main())
 
 
+def test_a_cancellation_landing_while_the_database_refuses_the_exit_is_raised_not_lost(
+        db_url: str, fake: Any, request: pytest.FixtureRequest) -> None:
+    """The block succeeded; its exit waited for a lock another transaction held and was
+    refused (``DatabaseUnavailable``, remembered for later) while the task was cancelled: the
+    task ended with that error, not cancelled, and ``asyncio.timeout`` raised no
+    ``TimeoutError``. The cancellation propagates, the refusal noted on it."""
+    if "://" not in db_url:
+        impatient = f"sqlite:///{db_url}?timeout=0.1"
+    else:
+        db = db_url.rsplit("/", 1)[1]
+        request.getfixturevalue("pg_server").psql(
+            f"ALTER DATABASE {db} SET lock_timeout = '100ms'")
+        impatient = db_url
+    notes: list[str] = []
+
+    async def main() -> None:
+        async with AsyncLedger.open(impatient) as led:
+            locked, release, leaving = threading.Event(), threading.Event(), asyncio.Event()
+            holder = threading.Thread(target=_hold_run_lock, args=(db_url, "r", locked, release))
+
+            async def agent() -> None:
+                try:
+                    async with led.run("r", plan=plan(fake), budget=BUDGET, grant=GRANT) as run:
+                        await run.turn(HELLO, send=_served)
+                        holder.start()
+                        assert await asyncio.to_thread(locked.wait, 30)
+                        leaving.set()  # the exit starts, and waits for the lock
+                except asyncio.CancelledError as e:
+                    notes.extend(getattr(e, "__notes__", []))
+                    raise
+
+            task = asyncio.ensure_future(agent())
+            try:
+                await leaving.wait()
+                task.cancel()
+                with pytest.raises(asyncio.CancelledError):
+                    await task
+                assert task.cancelled()
+            finally:
+                release.set()
+                await asyncio.to_thread(holder.join)
+        # The exit was remembered, and the ledger's close wrote it (the lease had not lapsed).
+        async with AsyncLedger.open(db_url) as led:
+            rec = await led.get_run("r")
+            assert rec.status is RunStatus.SUCCEEDED and rec.lease_holder is None
+
+    asyncio.run(main())
+    (note,) = [n for n in notes if "finishing run 'r'" in n]
+    assert "DatabaseUnavailable" in note and "close()" in note
+
+
 def _ctrl_c(_point: str) -> None:
     raise KeyboardInterrupt
 

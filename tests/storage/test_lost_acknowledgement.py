@@ -427,7 +427,7 @@ def test_a_never_sent_begin_left_unresolved_while_the_database_is_away_ends_not_
     # The caller sees the begin's error itself, never what the exit ran into.
     assert raised is (None if again == "next_turn" else lost)
     if again == "close":
-        assert "finishes the Run and releases its lease as soon as" in notes
+        assert "finishes the Run and releases its lease at its next write" in notes
     attempt_id = fields["attempt_id"]
     led, run_id = books.led, f"r-{n}"
     requests = [r.headers.get(ATTEMPT_HEADER.lower(), "") for r in books.fake.requests]
