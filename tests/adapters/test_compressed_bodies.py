@@ -238,9 +238,10 @@ async def test_a_small_chunk_inflating_to_much_data_keeps_total_timeout_and_the_
     obs = result.observation
     assert obs is not None and obs.transport is Transport.TOTAL_TIMEOUT, obs
     # Generous slack for a loaded machine: either bound is one 64 KiB piece's parse (a few
-    # hundredths of a second), and the loop stalled for the whole limit without the pacing.
+    # hundredths of a second), and the loop stalled for the whole limit without the pacing; a
+    # process descheduled on a busy machine has gone over 0.5 s between two ticks.
     assert elapsed < 2.0 + 2.0, elapsed
-    assert longest_gap < 0.5, longest_gap
+    assert longest_gap < limits.total_timeout_s / 2, longest_gap
 
 
 def _sync_flushed(data: bytes, wbits: int) -> bytes:

@@ -40,6 +40,11 @@ RUN = "r"
 POLICY: Policy = preset("failure-domain").model_copy(update={"streaming": StreamingPolicy(
     connect_timeout_s=2, read_timeout_s=2, first_token_timeout_s=2, idle_timeout_s=0.3,
     total_timeout_s=10)})
+# For the cancellations: no limit may end the turn before the cancellation lands, however
+# loaded the machine (a first-token limit of 2 s did, once, before the request left).
+PATIENT: Policy = POLICY.model_copy(update={"streaming": StreamingPolicy(
+    connect_timeout_s=30, read_timeout_s=30, first_token_timeout_s=30, idle_timeout_s=30,
+    total_timeout_s=60)})
 
 
 @pytest.fixture(scope="module")
@@ -314,7 +319,7 @@ def _cancelled_turn(db_url: str, fakes: tuple[FakeProvider, FakeProvider], behav
 
     async def main() -> BaseException:
         async with AsyncLedger.open(db_url) as led, led.run(
-                RUN, secrets=SECRETS, **_session_args(fakes)) as run:
+                RUN, secrets=SECRETS, **{**_session_args(fakes), "policy": PATIENT}) as run:
             holder: dict[str, asyncio.Task[Any]] = {}
 
             def on_text(text: str) -> None:
