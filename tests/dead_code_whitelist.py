@@ -47,6 +47,7 @@ _.set_cookie, _.extract_cookies, _.cookie  # adapters/transport.py: httpx's Cook
 # integrations/langchain.py: LangChain's BaseChatModel and AgentMiddleware interface
 _._llm_type, _._identifying_params  # read by LangChain for tracing and caching keys
 _.bind_tools, _._agenerate  # called by create_agent and by ainvoke
+_._astream  # called by astream (and by an agent streaming its model node)
 _.wrap_model_call, _.awrap_model_call  # called by create_agent's model node
 _.is_retryable  # ModelError.is_retryable, read by ModelRetryMiddleware
 _.temperature, _.top_p  # LedgerChatModel fields, read by name into each request
