@@ -45,7 +45,7 @@ import base64
 import json
 import queue
 import threading
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Generator, Iterator, Sequence
 from typing import Any, Literal
 
 from ledger.api.session import AsyncRunSession, RunSession
@@ -688,7 +688,8 @@ class LedgerChatModel(BaseChatModel):
 
         def close() -> None:
             with lock:
-                getattr(chunks, "close", lambda: None)()  # a generator: its finally runs
+                if isinstance(chunks, Generator):
+                    chunks.close()  # its finally waits for the turn's thread
 
         try:
             while (chunk := await run_in_executor(None, step)) is not done:
