@@ -245,6 +245,10 @@ class Part(StrictModel):
             raise Problem("a part carries data= (bytes) and url= at once",
                           "pass the bytes as data=, or the link as url=, not both")
         scheme = v.split(":", 1)[0].lower() if ":" in v else ""
+        if scheme in ("data", "https"):
+            # A scheme is case-insensitive (RFC 3986 3.1) and its canonical spelling is lower
+            # case: one link hashes one way, and no provider is handed "HTTPS://".
+            v = scheme + v[len(scheme):]
         if scheme == "data":
             try:
                 decode_data_url(v)
@@ -261,7 +265,7 @@ class Part(StrictModel):
             raise Problem(f"url is {len(v)} characters long", f"pass at most {MAX_URL_LENGTH} "
                           "characters, or the bytes as data=")
         # The scheme alone passed above: "https:host/p" and "https:/host/p" have no "//".
-        if (any(c.isspace() or not c.isprintable() for c in v) or v[:8].lower() != "https://"
+        if (any(c.isspace() or not c.isprintable() for c in v) or v[:8] != "https://"
                 or not re.split(r"[/?#]", v[8:])[0]):
             raise Problem("url is not a usable https:// URL (no host, or spaces or control "
                           "characters)", "pass a full https://host/path link")

@@ -104,6 +104,16 @@ async def test_links_are_sent_for_the_provider_to_fetch(
     assert result.ok and [m.url for m in fake.requests[-1].media] == [document.url]
 
 
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+async def test_a_link_written_with_an_upper_case_scheme_goes_out_in_its_canonical_form(
+        adapter: HttpAdapter, fake: FakeProvider, protocol: str) -> None:
+    image = Part(url="HTTPS://files.example/Chart.png", media_type="image/png")
+    result, _ = await send(adapter, fake, protocol,
+                           Envelope(parts=[Part(content="What does this show?"), image]))
+    assert result.ok, result.observation
+    assert [m.url for m in fake.requests[-1].media] == ["https://files.example/Chart.png"]
+
+
 _CALL_A, _CALL_B = ({"id": c, "type": "function", "function": {"name": "f", "arguments": "{}"}}
                     for c in "ab")
 _TOOL_USE_AB = {"role": "assistant", "content": [

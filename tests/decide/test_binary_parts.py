@@ -92,6 +92,20 @@ def test_a_link_part_hash_covers_the_url_text_never_fetched() -> None:
                                   media_type="application/pdf").content_hash
 
 
+@pytest.mark.parametrize(("written", "canonical"), [
+    ("HTTPS://example.com/10-K.pdf", "https://example.com/10-K.pdf"),
+    ("Https://example.com/Q/10-K.pdf", "https://example.com/Q/10-K.pdf"),
+    ("DATA:application/pdf;base64," + base64.b64encode(PDF).decode(),
+     "data:application/pdf;base64," + base64.b64encode(PDF).decode()),
+])
+def test_a_url_scheme_in_any_case_is_kept_in_lower_case_and_hashes_as_one_link(
+        written: str, canonical: str) -> None:
+    """A scheme is case-insensitive: one link is one hash and one form on the wire."""
+    part = Part(url=written, media_type="application/pdf")
+    assert part.url == canonical
+    assert part.content_hash == Part(url=canonical, media_type="application/pdf").content_hash
+
+
 @pytest.mark.parametrize("edit", [
     {"data": pdf(4)},
     {"media_type": "text/plain"},
