@@ -106,7 +106,8 @@ failure, and when text or a tool-call proposal was already delivered the failure
 
 Time limits (``StreamingPolicy``): ``connect_timeout_s`` bounds connecting (and waiting for a
 pooled connection); ``read_timeout_s`` bounds every single socket read, so also the wait for the
-status line; for a stream, only ``first_token_timeout_s`` applies until the answer begins (its
+status line; for a stream, only ``first_token_timeout_s`` (counted from the request's last byte
+written) applies until the answer begins (its
 first text, tool-call fragment or media, or the first event of a tool the provider runs itself:
 a model may think silently, but a hosted tool is work on the answer), then ``idle_timeout_s``
 bounds every gap between received bytes; ``total_timeout_s`` bounds the whole call. No call is
@@ -233,8 +234,11 @@ class _Progress:
     interrupted call is settled truthfully.
     """
 
-    def __init__(self, report: SendProgress | None = None) -> None:
+    def __init__(self, report: SendProgress | None, clock: Callable[[], float]) -> None:
         self.request_sent = False
+        #: When the request's whole body was written (on ``clock``, the driver's), or None.
+        self.body_written_at: float | None = None
+        self.clock = clock
         self.headers_received = False
         self.tunnelling = False  # a proxy's CONNECT is under way: its exchange is not ours
         self.report = report
@@ -286,6 +290,8 @@ class _Progress:
             self.request_sent = False
             if self.report is not None:
                 self.report.sent = False
+        elif name.endswith("send_request_body.complete") and not self.tunnelling:
+            self.body_written_at = self.clock()
         elif name.endswith("receive_response_headers.complete"):
             if self.tunnelling:
                 self.tunnelling = False
@@ -845,7 +851,7 @@ class HttpAdapter:
 
         Raises InvalidArgument on misuse. Both drivers share it: nothing here does I/O.
         """
-        tracker = _Progress(progress)  # tells `progress` nothing is sent yet
+        tracker = _Progress(progress, driver.now)  # tells `progress` nothing is sent yet
         self._check_misuse(route, envelope, profile_id)
         install_log_redaction()
         t0 = driver.now()
@@ -948,12 +954,15 @@ class HttpAdapter:
     ) -> Exchange[AdapterResult]:
         # All deadlines are absolute times on the driver's monotonic clock (call.now).
         total_at = call.t0 + call.limits.total_timeout_s
-        first_token_at = call.t0 + call.limits.first_token_timeout_s
-        head_at = min(total_at, first_token_at) if call.stream else total_at
+        wait = call.limits.first_token_timeout_s
         try:
-            response = yield Open(client, request, head_at)
+            # A stream's first-token limit counts from the request's last byte written, so an
+            # upload's length (a large document on a slow uplink) is not the provider's
+            # silence; the upload itself is bounded by the write and total limits.
+            response = yield Open(client, request, total_at, wait if call.stream else None)
         except TimeoutError:
-            first = call.stream and first_token_at < total_at
+            written = call.progress.body_written_at
+            first = call.stream and written is not None and written + wait < total_at
             return (yield from self._deadline_failure(call, first_token=first))
         except httpx.UnsupportedProtocol as exc:
             return self._cannot_build(
@@ -987,6 +996,8 @@ class HttpAdapter:
                 return (yield from self._status_failure(call, response, total_at))
             ctype = response.headers.get("content-type", "")
             if call.stream and "text/event-stream" in ctype:
+                written = call.progress.body_written_at
+                first_token_at = (call.now() if written is None else written) + wait
                 return (yield from self._stream(call, response, total_at, first_token_at))
             return (yield from self._body(call, response, total_at))
         finally:

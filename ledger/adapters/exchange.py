@@ -27,7 +27,7 @@ import contextvars
 import inspect
 import time
 import zlib
-from collections.abc import AsyncIterator, Callable, Generator, Iterable, Iterator
+from collections.abc import AsyncIterator, Callable, Generator, Iterable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
@@ -39,11 +39,17 @@ from ledger.adapters.contract import EventCallback, StreamEvent
 
 @dataclass(frozen=True, slots=True)
 class Open:
-    """Send ``request`` and wait for its status line and headers; sent the response."""
+    """Send ``request`` and wait for its status line and headers; sent the response.
+
+    ``answer_within``: once the request's body is written, the wait for its answer ends
+    that many seconds later (or at ``deadline``, if sooner). ``None``: ``deadline`` alone. An
+    upload's own length is not the provider's slowness (a large PDF on a slow uplink).
+    """
 
     client: httpx.Client | httpx.AsyncClient
     request: httpx.Request
     deadline: float
+    answer_within: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -325,6 +331,37 @@ def _decoded(response: httpx.Response) -> Iterator[bytes]:
     yield from decoder.end()
 
 
+def _when_written(request: httpx.Request, written: Callable[[], object], *,
+                  awaited: bool) -> None:
+    """Call ``written`` once httpcore has written ``request``'s whole body.
+
+    Through the request's ``trace`` extension, which httpcore calls in the task (or thread)
+    that sends; the trace already there is called first. ``awaited``: the async client's
+    trace (a coroutine function).
+    """
+    inner = request.extensions.get("trace")
+    tunnel = [False]  # a proxy's CONNECT is being sent: its body is not the request's
+
+    def seen(name: str, info: Mapping[str, Any]) -> None:
+        if name.endswith("send_request_headers.started"):
+            tunnel[0] = getattr(info.get("request"), "method", None) == b"CONNECT"
+        elif name.endswith("send_request_body.complete") and not tunnel[0]:
+            written()
+
+    if awaited:
+        async def atrace(name: str, info: Mapping[str, Any]) -> None:
+            if inner is not None:
+                await inner(name, info)
+            seen(name, info)
+        request.extensions["trace"] = atrace
+    else:
+        def trace(name: str, info: Mapping[str, Any]) -> None:
+            if inner is not None:
+                inner(name, info)
+            seen(name, info)
+        request.extensions["trace"] = trace
+
+
 # -- asyncio ------------------------------------------------------------------------------------
 
 
@@ -347,7 +384,11 @@ async def _aperform(step: Step, chunks: dict[int, AsyncIterator[bytes]]) -> Any:
         raise TimeoutError
     if isinstance(step, Open):
         assert isinstance(step.client, httpx.AsyncClient)
-        async with asyncio.timeout_at(step.deadline):
+        async with asyncio.timeout_at(step.deadline) as limit:
+            if step.answer_within is not None:
+                within, loop = step.answer_within, asyncio.get_running_loop()
+                _when_written(step.request, lambda: limit.reschedule(
+                    min(step.deadline, loop.time() + within)), awaited=True)
             return await step.client.send(step.request, stream=True)
     if isinstance(step, Read):
         it = _achunks(step.response, chunks)
@@ -435,6 +476,12 @@ def _perform(step: Step, chunks: dict[int, Iterator[bytes]]) -> Any:
         if isinstance(step, Open):
             assert isinstance(step.client, httpx.Client)
             _capped(step.request, step.deadline)
+            if step.answer_within is not None:
+                # Set in httpcore's trace, on this thread and in this context: every later
+                # socket wait of the send is cut to it (_DeadlineStream).
+                within = step.answer_within
+                _when_written(step.request, lambda: DEADLINE.set(
+                    min(step.deadline, time.monotonic() + within)), awaited=False)
             return step.client.send(step.request, stream=True)
         it = chunks.get(id(step.response))
         if it is None:
@@ -453,7 +500,7 @@ def _perform(step: Step, chunks: dict[int, Iterator[bytes]]) -> Any:
             pass  # the answer is complete; the connection is simply not reused
         return None
     except httpx.TimeoutException as exc:
-        converted = _timed_out(exc, step.deadline)
+        converted = _timed_out(exc, DEADLINE.get() or step.deadline)  # as moved by the trace
         if converted is exc:
             raise
         raise converted from exc

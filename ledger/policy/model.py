@@ -1155,10 +1155,11 @@ class StreamingPolicy(_Section):
     """Time limits adapters enforce so that no call is unbounded in time.
 
     ``read_timeout_s`` bounds the wait for the status line and each socket read of a whole
-    body; a stream's body is held to ``first_token_timeout_s`` until its first content (a
-    model may think silently; the first event of a tool the provider runs itself counts as
-    content) and to ``idle_timeout_s`` for every gap after it, whatever the read limit;
-    ``total_timeout_s`` bounds the whole call.
+    body; a stream's body is held to ``first_token_timeout_s``, counted from the request's last
+    byte written (an upload is not the model's silence), until its first content (a model may
+    think silently; the first event of a tool the provider runs itself counts as content) and
+    to ``idle_timeout_s`` for every gap after it, whatever the read limit; ``total_timeout_s``
+    bounds the whole call.
     """
 
     connect_timeout_s: PositiveSeconds = 10.0
