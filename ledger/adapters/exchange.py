@@ -387,8 +387,11 @@ async def _aperform(step: Step, chunks: dict[int, AsyncIterator[bytes]]) -> Any:
         async with asyncio.timeout_at(step.deadline) as limit:
             if step.answer_within is not None:
                 within, loop = step.answer_within, asyncio.get_running_loop()
-                _when_written(step.request, lambda: limit.reschedule(
-                    min(step.deadline, loop.time() + within)), awaited=True)
+
+                def written() -> None:
+                    if not limit.expired():  # one that fired is being raised: keep it
+                        limit.reschedule(min(step.deadline, loop.time() + within))
+                _when_written(step.request, written, awaited=True)
             return await step.client.send(step.request, stream=True)
     if isinstance(step, Read):
         it = _achunks(step.response, chunks)
