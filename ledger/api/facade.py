@@ -81,7 +81,8 @@ class Ledger(SyncFace["RunSession", "Ledger"]):
         first, one try each (:meth:`ledger.storage.store.Store.settle_pending`): a begin of the
         retry owner that was never sent is settled ``not_sent``, a settle of the retry owner the
         database did not take is written as decided (freeing its capacity slot), a Run
-        session's exit finishes the Run and releases its lease. What the database still does
+        session's exit finishes the Run and releases its lease (the threads still trying such
+        exits, ``ledger-exit``, stop first). What the database still does
         not take is logged at WARNING and left to recovery. Then, once the begins under way
         have ended (up to 5 s), the places this ledger's turns hold in full capacity groups'
         queues are given up (one try each), so no waiter anywhere waits behind them or counts
@@ -110,6 +111,9 @@ class Ledger(SyncFace["RunSession", "Ledger"]):
             return
         self._entries.close()
         try:
+            # The threads still trying sessions' exits stop first: this writes the exits.
+            for writer in self._entries.take_exit_writers():
+                writer.stop()
             self._runner.run(self._store.settle_pending(self.clock.now))
             taken: list[Any] = []
             if self._open_sessions:

@@ -277,6 +277,8 @@ class Entries:
         self._under_way = UnderWay(lock)
         #: Whether the ledger's close has begun (read and set under the lock).
         self.closing = False
+        #: The writers of sessions' remembered exits still trying (``ExitWriter``).
+        self._exits: set[Any] = set()
 
     def begun(self) -> None:
         """One more entry under way (called under the lock, once ``closing`` was read)."""
@@ -290,6 +292,27 @@ class Entries:
         """The ledger's close has begun: no session enters from now on."""
         with self._lock:
             self.closing = True
+
+    def exit_writer(self, writer: Any) -> bool:
+        """Count ``writer`` (a session's remembered exit being tried) until it ends.
+
+        ``False``, counting nothing, once the close has begun: the close writes the exit.
+        """
+        with self._lock:
+            if self.closing:
+                return False
+            self._exits.add(writer)
+            return True
+
+    def exit_written(self, writer: Any) -> None:
+        """``writer`` ended, whichever way."""
+        with self._lock:
+            self._exits.discard(writer)
+
+    def take_exit_writers(self) -> list[Any]:
+        """The exit writers still trying, for the close to stop (after :meth:`close`)."""
+        with self._lock:
+            return list(self._exits)
 
     def ended(self, timeout_s: float) -> bool:
         """Wait up to ``timeout_s`` until no entry is under way; whether none is."""

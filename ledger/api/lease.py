@@ -109,6 +109,19 @@ class KeeperCore:
         self._owner: weakref.ref[object] | None = None
         #: Set by the ledger's close, which gives the lease up itself (:meth:`_halt`).
         self._halted = False
+        #: Only the session's remembered exit is left to write (:meth:`_linger`).
+        self._lingering = False
+
+    def _linger(self) -> None:
+        """Go on after the session's block only to write its remembered exit.
+
+        The block has ended, so nothing is renewed any more: the exit is tried every
+        :attr:`retry_s` until it is written, or until the lease is within the ledger's margin
+        of its end (a finish would be refused from then on), and the session may be dropped
+        meanwhile.
+        """
+        self._owner = None
+        self._lingering = True
 
     def _held_by(self, owner: object) -> None:
         """Keep the lease only while ``owner`` (a Run session) exists.
@@ -214,6 +227,16 @@ class KeeperCore:
         # Past this, a renewal is refused as expired: one that failed is given up here rather
         # than tried again to the lease's end, while another process may count it as ended.
         deadline = lease.expires_at - self.ledger.lease_margin_s
+        if self._lingering:
+            if not pending or self.ledger._store.closed:
+                return math.inf  # written (or the close took it over)
+            if now >= deadline:
+                log.warning("run %s: its session's exit (the Run's finish and its lease's "
+                            "release) could not be written before the lease's end at %s; the "
+                            "Run stays running until a session of it ends it", lease.run_id,
+                            lease.expires_at)
+                return math.inf
+            return min(self.retry_s, deadline - now)
         if self._failed is not None and now >= deadline:
             self._give_up(lease, self._failed)
             return math.inf
@@ -323,6 +346,54 @@ class KeeperCore:
                                                      outcome="not_sent", fact=SHUTDOWN_FACT)
             self.untrack(attempt_id)
         yield from Face.release_lease.flow(led, lease)
+
+
+class ExitWriter:
+    """Writes a Run session's remembered exit from a thread, once the database answers again.
+
+    A session whose exit (the Run's finish and its lease's release) the database refused
+    remembers it (:class:`~ledger.decide.resolve.UnresolvedExit`); this thread tries it
+    again every :attr:`KeeperCore.retry_s` until it is written or the lease is about to
+    lapse (:meth:`KeeperCore._linger`). Blocking, on any ledger (an
+    :class:`~ledger.AsyncLedger`'s keeper as well): the event loop may end before the
+    database answers. The ledger's close stops it and writes the exit itself.
+    """
+
+    def __init__(self, core: KeeperCore) -> None:
+        self.core = core
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="ledger-exit", daemon=True)
+
+    def start(self) -> bool:
+        """Start trying (``core`` lingers from now on); ``False`` once the ledger is closing."""
+        entries = self.core.ledger._entries
+        if not entries.exit_writer(self):
+            return False
+        self.core._linger()
+        try:
+            self._thread.start()
+        except BaseException:
+            entries.exit_written(self)
+            raise
+        return True
+
+    def _loop(self) -> None:
+        try:
+            while not self._stop.is_set():
+                delay = self.core.tick()
+                if math.isinf(delay):
+                    return
+                self._stop.wait(delay)
+        finally:
+            self.core.ledger._entries.exit_written(self)
+
+    def stop(self) -> None:
+        """Try no more (the closing ledger writes the exit), and wait for a try under way."""
+        self.core._halt()
+        self._stop.set()
+        if self._thread is not threading.current_thread():
+            with contextlib.suppress(RuntimeError):  # never started
+                self._thread.join()
 
 
 @checked

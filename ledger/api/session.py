@@ -418,8 +418,9 @@ class _SessionCore:
         written, behind what the turns left unresolved (a begin never sent, settled
         ``not_sent``, and a settle the database did not take, written, first: a release needs
         nothing in flight). When the database does not answer, it stays remembered and the
-        process writes it as soon as the database answers again (the Run's next write here, or
-        the ledger's ``close()``). A keeper that lost the
+        process writes it as soon as the database answers again (from a thread that tries it
+        again meanwhile, :meth:`_write_later`; the Run's next write here; or the ledger's
+        ``close()``). A keeper that lost the
         Run writes nothing under the lease (a begin of its own that was never sent is still
         settled, under its own fence), and the exit raises what lost it: the Run was not
         finished.
@@ -474,6 +475,21 @@ class _SessionCore:
         self._leaving = status
         yield from self._claimed_exit(UnresolvedExit(keeper.lease, status, tried=again),
                                       status)
+
+    def _write_later(self, keeper: KeeperCore) -> None:
+        """Leave the exit the database refused, if it stays remembered, to a thread.
+
+        The thread (:class:`~ledger.api.lease.ExitWriter`) tries it again until it is written
+        or the lease is about to lapse: nothing else of this process may write for the Run
+        again, and the lease would lapse with the Run left running.
+        """
+        from ledger.api.lease import ExitWriter
+
+        store = self.ledger._store
+        if store.closed or not any(isinstance(i, UnresolvedExit)
+                                   for i in store.pending.of(self.run_id)):
+            return
+        ExitWriter(keeper).start()
 
     def _claimed_exit(self, exit: UnresolvedExit, status: RunStatus) -> Flow[None]:
         """Remember the exit, then write it, the Run's writes claimed meanwhile.
@@ -566,9 +582,10 @@ class _SessionCore:
         the exit stays remembered (``error.fields["deferred"]``: the database did not answer).
         """
         later = ("; this process finishes the Run and releases its lease at its next write "
-                 "for the Run (a new session of it) or the ledger's close(), if the lease has "
-                 f"not lapsed by then ({self.lease_ttl_s:g} s after its last renewal); "
-                 "otherwise the Run stays running until a session of it ends it"
+                 "for the Run (a new session of it), from a thread that tries again meanwhile, "
+                 "or at the ledger's close(), if the lease has not lapsed by then "
+                 f"({self.lease_ttl_s:g} s after its last renewal); otherwise the Run stays "
+                 "running until a session of it ends it"
                  if error.fields.get("deferred") else "")
         if exc is None:
             if later:
@@ -1101,6 +1118,7 @@ class RunSession(_SessionCore):
             keeper.stop()
             self.ledger._runner.run(self._exit(exc, keeper))
         except LedgerError as e:
+            self._write_later(keeper)
             self._unfinished(exc, e)
         except BaseException as stop:
             if isinstance(stop, Exception):
@@ -1126,12 +1144,15 @@ class RunSession(_SessionCore):
             keeper.stop()
             self.ledger._runner.run(self._exit(exc, keeper, again=True))
         except LedgerError as e:
+            self._write_later(keeper)
             self._unfinished(stop, e)  # logged, and noted on the interruption
         except BaseException as e:
             store = self.ledger._store
-            later = ("this process writes it at its next write for the Run, or the ledger's "
-                     "close()" if any(isinstance(i, UnresolvedExit)
-                                      for i in store.pending.of(self.run_id))
+            self._write_later(keeper)
+            later = ("this process writes it at its next write for the Run, from a thread that "
+                     "tries again meanwhile, or at the ledger's close()"
+                     if any(isinstance(i, UnresolvedExit)
+                            for i in store.pending.of(self.run_id))
                      else f"its lease lapses in {self.lease_ttl_s:g} s")
             log.warning("run %s: leaving after %r, finishing the Run or releasing its lease "
                         "was interrupted again; %s: %r", self.run_id, stop, later, e)
@@ -1431,6 +1452,7 @@ class AsyncRunSession(_SessionCore):
         try:
             await self.ledger._runner.arun(self._exit(exc, keeper.core))
         except LedgerError as e:
+            self._write_later(keeper.core)
             self._unfinished(exc, e)
 
     async def turn(self, envelope: Envelope, *,

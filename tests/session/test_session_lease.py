@@ -35,6 +35,7 @@ from ledger import (
     Grant,
     Ledger,
     Part,
+    RunRecord,
     RunStatus,
     SendResult,
     faults,
@@ -365,19 +366,113 @@ def test_a_block_cancelled_again_and_again_while_leaving_still_finishes_and_rele
     asyncio.run(main())
 
 
+def _impatient(db_url: str, request: pytest.FixtureRequest) -> str:
+    """``db_url`` as a ledger that gives up a lock wait after a tenth of a second."""
+    if "://" not in db_url:
+        return f"sqlite:///{db_url}?timeout=0.1"
+    db = db_url.rsplit("/", 1)[1]
+    request.getfixturevalue("pg_server").psql(f"ALTER DATABASE {db} SET lock_timeout = '100ms'")
+    return db_url
+
+
+def _written_by_itself(db_url: str, run_id: str) -> RunRecord:
+    """The Run once its exit is written, read by another ledger: nothing of the one whose
+    session left it is used meanwhile (no write for the Run, no close)."""
+    with Ledger.open(db_url, migrate_schema=False) as other:
+        for _ in range(400):  # up to 20 s: a retry comes every second (TTL_EXIT / 12)
+            rec = other.get_run(run_id)
+            if rec.lease_holder is None:
+                return rec
+            threading.Event().wait(0.05)  # for the writer's thread, not for time to pass
+        return rec
+
+
+TTL_EXIT = 12.0  # a retry every second, and many before the lease is near its end
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_an_exit_the_database_refused_is_written_as_soon_as_it_answers_without_another_write(
+        db_url: str, fake: Any, request: pytest.FixtureRequest, mode: str) -> None:
+    """The block succeeded; its exit waited for a lock another transaction held and was
+    refused (``DatabaseUnavailable``, remembered). Once the lock is free, the process writes
+    the exit by itself, before the lease lapses: the Run ends ``succeeded`` with its lease
+    released, with no further write for the Run and no close() to carry it."""
+    impatient = _impatient(db_url, request)
+    locked, release = threading.Event(), threading.Event()
+    holder = threading.Thread(target=_hold_run_lock, args=(db_url, "r", locked, release))
+    raised: list[DatabaseUnavailable] = []
+
+    def leave_refused(e: DatabaseUnavailable) -> None:
+        raised.append(e)
+        release.set()  # the database answers again
+        holder.join()
+
+    if mode == "sync":
+        with Ledger.open(impatient) as led:
+            try:
+                with led.run("r", plan=plan(fake), budget=BUDGET, grant=GRANT,
+                             lease_ttl_s=TTL_EXIT) as run:
+                    run.turn(HELLO, send=_served_sync)
+                    holder.start()
+                    assert locked.wait(30)
+            except DatabaseUnavailable as e:
+                leave_refused(e)
+            rec = _written_by_itself(db_url, "r")
+    else:
+        async def main() -> RunRecord:
+            async with AsyncLedger.open(impatient) as led:
+                try:
+                    async with led.run("r", plan=plan(fake), budget=BUDGET, grant=GRANT,
+                                       lease_ttl_s=TTL_EXIT) as run:
+                        await run.turn(HELLO, send=_served)
+                        holder.start()
+                        assert await asyncio.to_thread(locked.wait, 30)
+                except DatabaseUnavailable as e:
+                    await asyncio.to_thread(leave_refused, e)
+                return await asyncio.to_thread(_written_by_itself, db_url, "r")
+
+        rec = asyncio.run(main())
+    [error] = raised
+    assert error.fields["deferred"] is True
+    assert "from a thread that tries again" in "\n".join(getattr(error, "__notes__", []))
+    assert rec.status is RunStatus.SUCCEEDED and rec.lease_holder is None
+
+
+def test_an_exit_the_database_keeps_refusing_is_tried_no_longer_than_its_lease_can_take_it(
+        db_url: str, fake: Any, request: pytest.FixtureRequest,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """While the database stays away, the thread trying the exit stops at the ledger's margin
+    before the lease's end (a finish is refused from there on), saying so: no thread is left
+    trying for ever."""
+    impatient = _impatient(db_url, request)
+    locked, release = threading.Event(), threading.Event()
+    holder = threading.Thread(target=_hold_run_lock, args=(db_url, "r", locked, release))
+    try:
+        with Ledger.open(impatient) as led:
+            with pytest.raises(DatabaseUnavailable), \
+                    led.run("r", plan=plan(fake), budget=BUDGET, grant=GRANT,
+                            lease_ttl_s=TTL) as run:
+                run.turn(HELLO, send=_served_sync)
+                holder.start()
+                assert locked.wait(30)
+            writers = [t for t in threading.enumerate() if t.name == "ledger-exit"]
+            assert len(writers) == 1
+            writers[0].join(TTL + 10)  # it ends by itself, before the lease's end
+            assert not writers[0].is_alive()
+            assert "could not be written before the lease's end" in caplog.text
+    finally:
+        release.set()
+        if holder.is_alive():
+            holder.join()
+
+
 def test_a_cancellation_landing_while_the_database_refuses_the_exit_is_raised_not_lost(
         db_url: str, fake: Any, request: pytest.FixtureRequest) -> None:
     """The block succeeded; its exit waited for a lock another transaction held and was
     refused (``DatabaseUnavailable``, remembered for later) while the task was cancelled: the
     task ended with that error, not cancelled, and ``asyncio.timeout`` raised no
     ``TimeoutError``. The cancellation propagates, the refusal noted on it."""
-    if "://" not in db_url:
-        impatient = f"sqlite:///{db_url}?timeout=0.1"
-    else:
-        db = db_url.rsplit("/", 1)[1]
-        request.getfixturevalue("pg_server").psql(
-            f"ALTER DATABASE {db} SET lock_timeout = '100ms'")
-        impatient = db_url
+    impatient = _impatient(db_url, request)
     notes: list[str] = []
 
     async def main() -> None:
