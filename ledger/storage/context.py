@@ -128,6 +128,10 @@ class SqlContext(abc.ABC):
         transaction on ``conn`` ends (a roll-up's, :mod:`ledger.storage.rollups`); without
         ``wait``, only if no writer holds it now. Returns whether it is held."""
 
+    def lock_hours(self, conn: Connection, hours: list[int]) -> set[int]:
+        """:meth:`lock_hour` without waiting for each of ``hours``; the ones now held."""
+        return {h for h in hours if self.lock_hour(conn, h, wait=False)}
+
     def bounded_locks(self, conn: Connection, timeout: str) -> bool:
         """Make the write transaction on ``conn`` wait at most ``timeout`` (``'10s'``) for a
         lock another session holds, where the database waits per lock; ``False`` where it

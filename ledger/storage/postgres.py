@@ -176,6 +176,16 @@ class PostgresContext(SqlContext):
         return bool(conn.execute(text("SELECT pg_try_advisory_xact_lock(:k, :h)"),
                                  key).scalar_one())
 
+    def lock_hours(self, conn: Connection, hours: list[int]) -> set[int]:
+        """Each hour's advisory lock tried in one statement, not one round trip per hour."""
+        if not hours:
+            return set()
+        rows = conn.execute(text(
+            "SELECT h FROM unnest(CAST(:hs AS bigint[])) AS t(h) "
+            "WHERE pg_try_advisory_xact_lock(:k, CAST(h % 2147483648 AS integer))"),
+            {"hs": hours, "k": self.HOUR_LOCK}).scalars()
+        return {int(h) for h in rows}
+
     def bounded_locks(self, conn: Connection, timeout: str) -> bool:
         """``SET LOCAL lock_timeout``: a lock not granted in time is SQLSTATE 55P03."""
         conn.execute(text(f"SET LOCAL lock_timeout = '{timeout}'"))

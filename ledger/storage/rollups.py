@@ -45,7 +45,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from sqlalchemy import BigInteger, ColumnElement, Table, func, literal, select
+from sqlalchemy import BigInteger, ColumnElement, Table, and_, func, literal, select
 
 from ledger.domain.bounds import DEFAULT_FOLD_AFTER_S
 from ledger.domain.records import Rollup
@@ -68,6 +68,29 @@ FOLDED: tuple[tuple[Table, tuple[str, ...]], ...] = (
 # Empty hours marked per transaction (on PostgreSQL each holds an advisory lock until the
 # commit, in the server's shared lock table).
 _EMPTY_BATCH = 256
+# Empty days folded per transaction: as many hour locks.
+_EMPTY_DAYS = _EMPTY_BATCH // DAY_HOURS
+
+
+def _next_each(conn: Any, col: Any, lo: int, hi: int, *where: ColumnElement[bool],
+               hourly: bool = False, stride: int = 1) -> set[int]:
+    """The hours in ``[lo, hi)`` that ``col`` (a time; ``hourly``: an hour number) has a row
+    in, found by jumping from each to the next (its least value from an hour on, by its
+    index): a stretch without rows costs one read, however long (a ledger idle for months).
+
+    ``stride``: only the first such hour of each ``stride`` hours from 0 is wanted (a day's).
+    """
+    found: set[int] = set()
+    at = lo
+    while at < hi:
+        span = and_(col >= at, col < hi) if hourly else hours_in(col, at, hi)
+        t = conn.execute(select(func.min(col)).where(*where, span)).scalar()
+        if t is None:
+            break
+        h = int(t) if hourly else hour_of(t)
+        found.add(h)
+        at = (h // stride + 1) * stride
+    return found
 
 
 def fold_rows(conn: Any, table: Table, keys: tuple[str, ...], lo: int, hi: int) -> None:
@@ -161,11 +184,50 @@ class RollupQueries:
                 .having(func.count() == DAY_HOURS)).scalars()}
             whole -= {int(d) for d in conn.execute(select(s.rollup_days.c.day)).scalars()}
         folded = 0
-        for d in sorted(whole):
+        days = sorted(whole)
+        for i in range(0, len(days), _EMPTY_DAYS):
+            chunk = days[i:i + _EMPTY_DAYS]
             with self.ctx.writing() as conn:
-                if self._fold_day(conn, d, now):
-                    folded += 1
+                empty = self._fold_empty(conn, chunk, now)
+            folded += len(empty)
+            for d in chunk:
+                if d not in empty:
+                    with self.ctx.writing() as conn:
+                        if self._fold_day(conn, d, now):
+                            folded += 1
         return folded
+
+    def _fold_empty(self, conn: Any, days: list[int], now: float) -> set[int]:
+        """Mark folded, in one transaction, those of ``days`` (ascending) with no roll-up row
+        (a ledger idle for a month has 30 of them); return them. The others are left to
+        :meth:`_fold_day`, one to a transaction: there is something to sum.
+
+        Under the same hour locks and checks as :meth:`_fold_day`: taken without waiting,
+        every hour of the day still marked, the day not folded meanwhile.
+        """
+        hours = [h for d in days for h in range(d * DAY_HOURS, (d + 1) * DAY_HOURS)]
+        taken = self.ctx.lock_hours(conn, hours)
+        ready = [d for d in days
+                 if all(h in taken for h in range(d * DAY_HOURS, (d + 1) * DAY_HOURS))]
+        if not ready:
+            return set()
+        lo, hi = ready[0] * DAY_HOURS, (ready[-1] + 1) * DAY_HOURS
+        h = s.rollup_hours.c.hour
+        day = (h // DAY_HOURS).label("day")
+        whole = {int(d) for d in conn.execute(
+            select(day).where(h >= lo, h < hi).group_by(day)
+            .having(func.count() == DAY_HOURS)).scalars()}
+        whole -= {int(d) for d in conn.execute(select(s.rollup_days.c.day).where(
+            s.rollup_days.c.day.between(ready[0], ready[-1]))).scalars()}
+        held: set[int] = set()
+        for table, _keys in FOLDED:
+            held |= {x // DAY_HOURS for x in _next_each(conn, table.c.hour, lo, hi,
+                                                         hourly=True, stride=DAY_HOURS)}
+        empty = {d for d in ready if d in whole and d not in held}
+        if empty:
+            conn.execute(s.rollup_days.insert(),
+                         [{"day": d, "folded_at": now} for d in sorted(empty)])
+        return empty
 
     def _fold_day(self, conn: Any, d: int, now: float) -> bool:
         lo, hi = d * DAY_HOURS, (d + 1) * DAY_HOURS - 1
@@ -199,9 +261,11 @@ class RollupQueries:
         for i in range(0, len(hours), _EMPTY_BATCH):
             chunk = hours[i:i + _EMPTY_BATCH]
             with self.ctx.writing() as conn:
-                taken = [h for h in chunk if self.ctx.lock_hour(conn, h, wait=False)]
-                done = self._marked(conn, taken)
-                empty = [h for h in taken if h not in done and self._empty(conn, h)]
+                taken = self.ctx.lock_hours(conn, chunk)
+                done = self._marked(conn, sorted(taken))
+                todo = [h for h in chunk if h in taken and h not in done]
+                full = self._holding(conn, todo)
+                empty = [h for h in todo if h not in full]
                 if empty:
                     conn.execute(s.rollup_hours.insert(),
                                  [{"hour": h, "rolled_at": now} for h in empty])
@@ -210,17 +274,24 @@ class RollupQueries:
                 busy.extend(h for h in chunk if h not in skip)
         return marked, busy
 
-    def _empty(self, conn: Any, h: int) -> bool:
-        """Whether hour ``h`` holds no attempt, no Run admitted, and no ``move`` (a host's
-        own is written without an attempt)."""
-        a = s.attempts.c
+    @staticmethod
+    def _holding(conn: Any, hours: list[int]) -> set[int]:
+        """Which of ``hours`` (ascending) hold an attempt, a Run admitted, or a rolled event
+        (a host's own ``move`` is written without an attempt).
+
+        Each table is read by jumping from one written hour to the next (the least time from
+        an hour on, by its index): a stretch of empty hours costs one read per table, however
+        long (a ledger idle for months), and a written hour one read per table, as before.
+        """
+        if not hours:
+            return set()
+        lo, hi = hours[0], hours[-1] + 1
         e = s.events.c
-        r = s.runs.c
-        return all(conn.execute(q.limit(1)).first() is None for q in (
-            select(a.attempt_id).where(hours_in(a.created_at, h, h + 1)),
-            select(r.run_id).where(hours_in(r.created_at, h, h + 1)),
-            select(e.event_id).where(e.kind.in_(s.ROLLED_EVENTS),
-                                     hours_in(e.created_at, h, h + 1))))
+        held = _next_each(conn, s.attempts.c.created_at, lo, hi)
+        held |= _next_each(conn, s.runs.c.created_at, lo, hi)
+        for kind in s.ROLLED_EVENTS:  # one kind at a time: its (kind, created_at) index
+            held |= _next_each(conn, e.created_at, lo, hi, e.kind == kind)
+        return held.intersection(hours)
 
     def _roll_hour(self, conn: Any, h: int, now: float) -> int:
         a = s.attempts.c

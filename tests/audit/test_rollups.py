@@ -204,6 +204,46 @@ def _late_attempt(led: Ledger) -> int:
     return late
 
 
+def test_idle_months_are_rolled_and_folded_in_statements_per_batch_not_per_hour(
+        db_url: str) -> None:
+    """A ledger idle for four months after its history (2,880 empty hours, 120 empty days) is
+    rolled up and folded by reading from each written hour to the next: a few statements per
+    batch of hours or days, where a probe of every hour took three per hour (over 8,000), and
+    the answers stay the attempts' own."""
+    from sqlalchemy import event
+
+    from tests.storage.helpers import sql_context
+
+    _generated(db_url).close()
+    later = END + 120 * 86400
+    with Ledger.open(db_url, clock=ManualClock(later), migrate_schema=False) as led:
+        audit = Audit(led)
+
+        def answers() -> dict[str, Any]:
+            return {"route": to_jsonable(audit.costs(by="route", limit=10_000).items),
+                    **_metrics(audit)}
+
+        want = answers()
+        statements = [0]
+
+        def count(*_: Any) -> None:
+            statements[0] += 1
+
+        engine = sql_context(led).engine
+        event.listen(engine, "before_cursor_execute", count)
+        try:
+            report = led.roll_up(lag=0)
+        finally:
+            event.remove(engine, "before_cursor_execute", count)
+        assert report.pending == 0
+        assert report.hours == hour_of(later) - hour_of(END - SPAN)  # every hour, empty or not
+        # Every day ended 8 days ago (the default fold_after) but the history's first, which
+        # began before it (its first hours are no hours of the ledger's, never rolled).
+        assert report.days == hour_of(later - 8 * 86400) // 24 - hour_of(END - SPAN) // 24 - 1
+        assert statements[0] < 1_000, statements[0]
+        assert answers() == want
+
+
 def test_a_late_write_to_a_rolled_hour_undoes_that_hours_rollup_only(db_url: str) -> None:
     led = _generated(db_url)
     try:
