@@ -8,6 +8,7 @@ wait or cooldown derived from a hint is capped by the policy.
 from __future__ import annotations
 
 import math
+import shutil
 from collections.abc import Iterator
 from decimal import Decimal
 from typing import Any
@@ -160,9 +161,11 @@ def test_retry_after_dated_in_year_9999_is_capped_at_an_hour() -> None:
        cost=st.one_of(st.none(), st.decimals(allow_nan=True, allow_infinity=True),
                       st.floats(allow_nan=True, allow_infinity=True)))
 def test_property_settle_stores_exactly_what_it_accepts(tmp_path_factory: pytest.TempPathFactory,
+                                                        sqlite_template: str,
                                                         pt: int | None, ct: int | None,
                                                         cost: Any) -> None:
     db = str(tmp_path_factory.mktemp("prop") / "l.db")
+    shutil.copyfile(sqlite_template, db)  # a migrated ledger, without migrating each example
     with Ledger.open(db, clock=ManualClock(T0)) as led:
         led.admit_run("r", plan=routes(), budget=budget(), grant=grant())
         lease = led.acquire_lease("r")
