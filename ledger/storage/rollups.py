@@ -45,7 +45,17 @@ from __future__ import annotations
 
 from typing import Any
 
-from sqlalchemy import BigInteger, ColumnElement, Table, and_, func, literal, select
+from sqlalchemy import (
+    BigInteger,
+    ColumnElement,
+    Float,
+    Table,
+    and_,
+    bindparam,
+    func,
+    literal,
+    select,
+)
 
 from ledger.domain.bounds import DEFAULT_FOLD_AFTER_S
 from ledger.domain.records import Rollup
@@ -113,11 +123,28 @@ def fold_rows(conn: Any, table: Table, keys: tuple[str, ...], lo: int, hi: int) 
 
 def roll_counts(conn: Any, c: Counted, hour: int, *where: ColumnElement[bool]) -> None:
     """Insert into ``c.table``, at ``hour``, ``c``'s sums per key over its rows ``where``
-    holds: an hour's roll-up, or what retention carries over of the rows it drops."""
+    holds: what retention carries over of the rows it drops (an hour's roll-up runs the same
+    statement, built once: :meth:`RollupQueries._hour_statements`)."""
+    conn.execute(_counts_insert(c, literal(hour), *where))
+
+
+def _counts_insert(c: Counted, hour: Any, *where: ColumnElement[bool]) -> Any:
     keys = [*c.keys.values(), *c.detail.values()]
-    conn.execute(c.table.insert().from_select(
+    return c.table.insert().from_select(
         ["hour", *c.columns, *c.detail, *(x.name for x in c.sums)],
-        select(literal(hour), *keys, *c.sums).where(*c.where, *where).group_by(*keys)))
+        select(hour, *keys, *c.sums).where(*c.where, *where).group_by(*keys))
+
+
+# An hour's roll-up statements take the hour and its bounds as parameters: built once per
+# roll-up, not once per hour (building them was most of a roll-up's time: a month of hours
+# spent half a minute in SQLAlchemy's constructors and cache keys).
+_HOUR = bindparam("hour", type_=BigInteger)
+_LO, _HI = bindparam("lo", type_=Float), bindparam("hi", type_=Float)
+
+
+def _in_hour(col: Any) -> ColumnElement[bool]:
+    """``col`` (a time) in the hour the statement is run for (``lo <= col < hi``)."""
+    return and_(col >= _LO, col < _HI)
 
 
 class RollupQueries:
@@ -125,6 +152,7 @@ class RollupQueries:
 
     def __init__(self, ctx: SqlContext) -> None:
         self.ctx = ctx
+        self._statements: list[Any] | None = None
 
     def roll(self, clock: ClockFn, *, lag_s: float, max_hours: int | None = None,
              fold_after_s: float | None = DEFAULT_FOLD_AFTER_S) -> Rollup:
@@ -294,37 +322,43 @@ class RollupQueries:
         return held.intersection(hours)
 
     def _roll_hour(self, conn: Any, h: int, now: float) -> int:
+        if self._statements is None:
+            self._statements = self._hour_statements()
+        params = {"hour": h, "lo": h * HOUR, "hi": (h + 1) * HOUR}
+        for statement in self._statements:
+            conn.execute(statement, params)
+        conn.execute(s.rollup_hours.insert().values(hour=h, rolled_at=now))
+        # Counted, not the INSERT's rowcount, which not every driver reports for a SELECT.
+        t = s.attempt_rollups.c
+        return int(conn.execute(select(func.count()).select_from(s.attempt_rollups)
+                                .where(t.hour == h)).scalar_one())
+
+    def _hour_statements(self) -> list[Any]:
+        """An hour's roll-up, for the hour the parameters name (``hour``, ``lo``, ``hi``):
+        its ``attempt_rollups`` rows, then its rows of the roll-ups of what ``/metrics``
+        counts (:func:`~ledger.storage.series.metric_counts`), each over the hour's rows but
+        the open ones (attempts in flight, Runs not ended)."""
         a = s.attempts.c
         r = s.runs.c
         labels = func.coalesce(a.labels, select(r.labels).where(r.run_id == a.run_id)
                                .scalar_subquery())
         charged, held = charged_and_held()
         keys = (a.route_id, a.group_id, a.provider, a.tenant, labels)
-
-        q = (select(literal(h), *keys, func.count(), in_state("succeeded"), in_state("failed"),
+        q = (select(_HOUR, *keys, func.count(), in_state("succeeded"), in_state("failed"),
                     func.coalesce(func.sum(a.prompt_tokens), 0),
                     func.coalesce(func.sum(a.completion_tokens), 0), charged,
                     in_state("unknown"), held)
-             .where(hours_in(a.created_at, h, h + 1), a.state.not_in(OPEN_STATES))
+             .where(_in_hour(a.created_at), a.state.not_in(OPEN_STATES))
              .group_by(*keys))
         t = s.attempt_rollups.c
-        conn.execute(s.attempt_rollups.insert().from_select(
+        statements: list[Any] = [s.attempt_rollups.insert().from_select(
             [t.hour, t.route_id, t.group_id, t.provider, t.tenant, t.labels, t.attempts,
              t.succeeded, t.failed, t.prompt_tokens, t.completion_tokens, t.cost_micros,
-             t.unknown, t.held_micros], q))
-        self._roll_metrics(conn, h)
-        conn.execute(s.rollup_hours.insert().values(hour=h, rolled_at=now))
-        # Counted, not the INSERT's rowcount, which not every driver reports for a SELECT.
-        return int(conn.execute(select(func.count()).select_from(s.attempt_rollups)
-                                .where(t.hour == h)).scalar_one())
-
-    def _roll_metrics(self, conn: Any, h: int) -> None:
-        """Hour ``h``'s rows of the roll-ups of what ``/metrics`` counts
-        (:func:`~ledger.storage.series.metric_counts`): each over the hour's rows but the open
-        ones (attempts in flight, Runs not ended)."""
+             t.unknown, t.held_micros], q)]
         for c in metric_counts(self.ctx, s.METRIC_BOUNDS):
             kept = [] if c.open is None else [~c.open]
-            roll_counts(conn, c, h, hours_in(c.time, h, h + 1), *kept)
+            statements.append(_counts_insert(c, _HOUR, _in_hour(c.time), *kept))
+        return statements
 
 
 __all__ = ["FOLDED", "RollupQueries", "fold_rows", "roll_counts"]
