@@ -49,7 +49,7 @@ from ledger.policy.model import StreamingPolicy
 from ledger.testing import Fault
 from tests import fakeplan
 from tests.fakeplan import cancelled_often, plan
-from tests.storage.helpers import sql_context
+from tests.storage.helpers import impatient_url, sql_context
 
 fake = fakeplan.fake
 _clear = fakeplan._clear
@@ -366,15 +366,6 @@ def test_a_block_cancelled_again_and_again_while_leaving_still_finishes_and_rele
     asyncio.run(main())
 
 
-def _impatient(db_url: str, request: pytest.FixtureRequest) -> str:
-    """``db_url`` as a ledger that gives up a lock wait after a tenth of a second."""
-    if "://" not in db_url:
-        return f"sqlite:///{db_url}?timeout=0.1"
-    db = db_url.rsplit("/", 1)[1]
-    request.getfixturevalue("pg_server").psql(f"ALTER DATABASE {db} SET lock_timeout = '100ms'")
-    return db_url
-
-
 def _written_by_itself(db_url: str, run_id: str) -> RunRecord:
     """The Run once its exit is written, read by another ledger: nothing of the one whose
     session left it is used meanwhile (no write for the Run, no close)."""
@@ -397,7 +388,7 @@ def test_an_exit_the_database_refused_is_written_as_soon_as_it_answers_without_a
     refused (``DatabaseUnavailable``, remembered). Once the lock is free, the process writes
     the exit by itself, before the lease lapses: the Run ends ``succeeded`` with its lease
     released, with no further write for the Run and no close() to carry it."""
-    impatient = _impatient(db_url, request)
+    impatient = impatient_url(db_url, request)
     locked, release = threading.Event(), threading.Event()
     holder = threading.Thread(target=_hold_run_lock, args=(db_url, "r", locked, release))
     raised: list[DatabaseUnavailable] = []
@@ -444,7 +435,7 @@ def test_an_exit_the_database_keeps_refusing_is_tried_no_longer_than_its_lease_c
     """While the database stays away, the thread trying the exit stops at the ledger's margin
     before the lease's end (a finish is refused from there on), saying so: no thread is left
     trying for ever."""
-    impatient = _impatient(db_url, request)
+    impatient = impatient_url(db_url, request)
     locked, release = threading.Event(), threading.Event()
     holder = threading.Thread(target=_hold_run_lock, args=(db_url, "r", locked, release))
     try:
@@ -472,7 +463,7 @@ def test_a_cancellation_landing_while_the_database_refuses_the_exit_is_raised_no
     refused (``DatabaseUnavailable``, remembered for later) while the task was cancelled: the
     task ended with that error, not cancelled, and ``asyncio.timeout`` raised no
     ``TimeoutError``. The cancellation propagates, the refusal noted on it."""
-    impatient = _impatient(db_url, request)
+    impatient = impatient_url(db_url, request)
     notes: list[str] = []
 
     async def main() -> None:

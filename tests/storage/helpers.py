@@ -41,6 +41,17 @@ print("released", flush=True)
 """
 
 
+def impatient_url(db_url: str, request: Any) -> str:
+    """``db_url`` (a ``db_url`` fixture's) as a ledger whose writes wait only a tenth of a
+    second for another connection's lock (SQLite's busy timeout, PostgreSQL's
+    ``lock_timeout`` of the test's database); ``request`` is the test's fixture request."""
+    if "://" not in db_url:
+        return f"sqlite:///{db_url}?timeout=0.1"
+    db = db_url.rsplit("/", 1)[1]
+    request.getfixturevalue("pg_server").psql(f"ALTER DATABASE {db} SET lock_timeout = '100ms'")
+    return db_url
+
+
 def sql_context(led: Any) -> SqlContext:
     """The SQL context under a ledger, for white-box tests that reach its engine or its
     transactions (reached, as ops and tools reach it, through ``storage_of``)."""

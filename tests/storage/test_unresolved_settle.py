@@ -35,6 +35,7 @@ from ledger.storage.engine import normalize_url
 from ledger.testing import Behavior, FakeProvider
 from tests import fakeplan
 from tests.fakeplan import plan
+from tests.storage.helpers import impatient_url
 
 from .helpers import session_failing_once
 
@@ -73,15 +74,6 @@ class WriteLock:
         if conn is not None:
             conn.rollback()
             conn.close()
-
-
-def _impatient(db_url: str, request: pytest.FixtureRequest) -> str:
-    """``db_url`` whose writes wait only a moment for another connection's lock."""
-    if "://" not in db_url:
-        return f"sqlite:///{db_url}?timeout=0.1"
-    db = db_url.rsplit("/", 1)[1]
-    request.getfixturevalue("pg_server").psql(f"ALTER DATABASE {db} SET lock_timeout = '100ms'")
-    return db_url
 
 
 def _told_deferred(error: DatabaseUnavailable) -> str:
@@ -128,7 +120,7 @@ def _session(led: Ledger | AsyncLedger, fake: FakeProvider, lock: WriteLock, aga
 def test_a_turns_settle_the_database_did_not_take_is_recorded_once_it_answers_and_frees_its_slot(
     db_url: str, fake: FakeProvider, request: pytest.FixtureRequest, mode: str, again: str
 ) -> None:
-    url = _impatient(db_url, request)
+    url = impatient_url(db_url, request)
     lock = WriteLock(db_url)
     led = Ledger.open(url)
     try:
@@ -168,7 +160,7 @@ def _answered_under(lock: WriteLock) -> Any:
 def test_the_lease_keepers_heartbeat_records_a_settle_the_database_did_not_take(
     db_url: str, fake: FakeProvider, request: pytest.FixtureRequest
 ) -> None:
-    url = _impatient(db_url, request)
+    url = impatient_url(db_url, request)
     lock = WriteLock(db_url)
     with Ledger.open(url, clock=ManualClock(time.time())) as led:
         led.configure_group("ga", max_in_flight=1)
@@ -198,7 +190,7 @@ def test_a_settle_whose_acknowledgement_was_lost_and_not_resolved_is_recorded_ex
 ) -> None:
     """The settle committed, its acknowledgement was lost, and its resolution found the lock
     taken: unresolved. Written again once the lock is gone, it finds itself done."""
-    url = _impatient(db_url, request)
+    url = impatient_url(db_url, request)
     lock = WriteLock(db_url)
     fired: list[str] = []
 
@@ -239,7 +231,7 @@ def test_a_remembered_settle_refused_after_a_takeover_is_kept_as_a_late_receipt(
     """The lease lapsed while the settle waited, and recovery recorded the Attempt unknown
     with its hold kept. The settle written at ``close()`` is then refused as any late settle
     is, and what the provider answered is kept beside the Attempt for the operator."""
-    url = _impatient(db_url, request)
+    url = impatient_url(db_url, request)
     lock = WriteLock(db_url)
     led = Ledger.open(url, clock=ManualClock(time.time() - 3600))  # a lease long lapsed
     try:
