@@ -101,17 +101,14 @@ def pg_server() -> Iterator[PgServer]:
 
 @pytest.fixture
 def pg_url(pg_server: PgServer) -> str:
-    name = f"t_{os.getpid()}_{next(_counter)}"
-    pg_server.psql(f"CREATE DATABASE {name} TEMPLATE ledger_template")
-    return pg_server.url(name)
+    return pg_server.create_database(f"t_{os.getpid()}_{next(_counter)}",
+                                     template="ledger_template")
 
 
 @pytest.fixture
 def pg_empty_url(pg_server: PgServer) -> str:
     """A PostgreSQL database with no schema at all."""
-    name = f"e_{os.getpid()}_{next(_counter)}"
-    pg_server.psql(f"CREATE DATABASE {name}")
-    return pg_server.url(name)
+    return pg_server.create_database(f"e_{os.getpid()}_{next(_counter)}")
 
 
 @pytest.fixture(scope="session")

@@ -4,8 +4,7 @@ For tests of a ledger on PostgreSQL (the ledger's own suite uses it too)::
 
     srv = start_server()
     try:
-        srv.psql("CREATE DATABASE t")
-        with Ledger.open(srv.url("t")) as led:
+        with Ledger.open(srv.create_database("t")) as led:
             ...
     finally:
         srv.cleanup()
@@ -26,6 +25,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 
 def find_bindir() -> str | None:
@@ -63,6 +63,7 @@ class PgServer:
     _as_user: str | None = None
     _tmp: str | None = None
     extra_conf: dict[str, str] = field(default_factory=dict)
+    _admin: Any = field(default=None, repr=False, compare=False)
 
     def url(self, db: str = "postgres") -> str:
         """The ``postgresql+psycopg://`` URL of database ``db`` on this server."""
@@ -99,6 +100,7 @@ class PgServer:
 
     def stop(self, mode: str = "fast") -> None:
         """Stop the server with ``pg_ctl``'s shutdown ``mode`` (smart, fast, immediate)."""
+        self._close_admin()  # a smart shutdown would wait for it
         self._run([os.path.join(self.bindir, "pg_ctl"), "-D", self.datadir, "-m", mode, "-w",
                    "stop"], check=False)
 
@@ -113,6 +115,36 @@ class PgServer:
                          str(self.port), "-U", self.user, "-d", db, "-v", "ON_ERROR_STOP=1",
                          "-Atc", sql])
         return res.stdout
+
+    def create_database(self, name: str, *, template: str | None = None) -> str:
+        """Create database ``name`` (a copy of ``template`` when given); its :meth:`url`.
+
+        Sent over one kept admin connection, not a ``psql`` process: a suite that makes a
+        database per test spends about a tenth of a second less on each. The connection is
+        opened again once when a restart of the server broke it.
+        """
+        sql = f'CREATE DATABASE "{name}"' + (f' TEMPLATE "{template}"' if template else "")
+        try:
+            self._admin_connection().execute(sql)
+        except Exception:
+            if self._admin is None or not self._admin.closed:
+                raise
+            self._admin = None  # broken by a restart before this statement left
+            self._admin_connection().execute(sql)
+        return self.url(name)
+
+    def _admin_connection(self) -> Any:
+        import psycopg
+
+        if self._admin is None or self._admin.closed:
+            self._admin = psycopg.connect(host="127.0.0.1", port=self.port, user=self.user,
+                                          dbname="postgres", autocommit=True)
+        return self._admin
+
+    def _close_admin(self) -> None:
+        if self._admin is not None:
+            self._admin.close()
+            self._admin = None
 
     def cleanup(self) -> None:
         """Stop the server and remove its data directory when this module created it.

@@ -26,7 +26,7 @@ def seeded_url(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPath
     else:
         srv = request.getfixturevalue("pg_server")
         name = f"audit_{os.getpid()}_{next(_n)}"
-        srv.psql(f"CREATE DATABASE {name} TEMPLATE ledger_template")
+        srv.create_database(name, template="ledger_template")
         url = srv.url(name)
     seed(url)
     return url

@@ -60,7 +60,7 @@ def generated(request: pytest.FixtureRequest,
     else:
         srv = request.getfixturevalue("pg_server")
         name = f"gen_{os.getpid()}"
-        srv.psql(f"CREATE DATABASE {name} TEMPLATE ledger_template")
+        srv.create_database(name, template="ledger_template")
         url = srv.url(name)
     led = Ledger.open(url, clock=ManualClock(END))
     try:

@@ -34,7 +34,7 @@ DAY = 86400.0
 @pytest.fixture(scope="module")
 def big(pg_server: Any) -> Iterator[Audit]:
     name = f"plans_{os.getpid()}"
-    pg_server.psql(f"CREATE DATABASE {name} TEMPLATE ledger_template")
+    pg_server.create_database(name, template="ledger_template")
     led = Ledger.open(pg_server.url(name), clock=ManualClock(END), migrate_schema=False)
     generate(led, attempts=20_000, days=30, end=END, seed=7)  # ends with ANALYZE
     try:

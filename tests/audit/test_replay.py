@@ -50,7 +50,7 @@ def history(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFac
     else:
         srv = request.getfixturevalue("pg_server")
         name = f"replay_{os.getpid()}"
-        srv.psql(f"CREATE DATABASE {name} TEMPLATE ledger_template")
+        srv.create_database(name, template="ledger_template")
         url = srv.url(name)
     clock = ManualClock(END - 86400.0)
     with Ledger.open(url, clock=clock) as led:

@@ -159,7 +159,7 @@ def recorded(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFa
     else:
         srv = request.getfixturevalue("pg_server")
         name = f"upgraded_{era}_{os.getpid()}"
-        srv.psql(f"CREATE DATABASE {name} TEMPLATE ledger_template")
+        srv.create_database(name, template="ledger_template")
         url = srv.url(name)
     runs = _record(url)
     if era == "upgraded":

@@ -54,7 +54,7 @@ _names = itertools.count()
 @pytest.fixture
 def db(pg_server: PgServer) -> str:
     name = f"term_{os.getpid()}_{next(_names)}"
-    pg_server.psql(f"CREATE DATABASE {name} TEMPLATE ledger_template")
+    pg_server.create_database(name, template="ledger_template")
     return name
 
 
