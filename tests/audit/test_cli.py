@@ -469,21 +469,21 @@ def test_human_output_never_prints_epoch_seconds(sqlite_url: str) -> None:
 def test_generate_refuses_a_ledger_holding_real_runs(tmp_path: Path) -> None:
     db = str(tmp_path / "real.db")
     seed(db)
-    res = cli("--db", db, "generate", "--attempts", "200", "--days", "1", "--end", str(T0))
+    res = cli("--db", db, "generate", "--attempts", "50", "--days", "1", "--end", str(T0))
     assert res.returncode == 2 and len(res.stderr.splitlines()) == 1
     assert "holds runs that generate did not write" in res.stderr
     assert "--into-existing" in res.stderr
     before = json.loads(ok("--db", db, "runs", "--json", "--limit", "1000"))["items"]
     assert len(before) == 6  # nothing written
-    res = cli("--db", db, "generate", "--attempts", "200", "--days", "1", "--end", str(T0),
+    res = cli("--db", db, "generate", "--attempts", "50", "--days", "1", "--end", str(T0),
               "--into-existing", "--json")
     assert res.returncode == 0, res.stderr
     after = json.loads(ok("--db", db, "runs", "--json", "--limit", "1000"))["items"]
     assert len(after) == 6 + json.loads(res.stdout)["runs"]
     # A ledger holding only generated history takes more of it without the flag.
     gen = str(tmp_path / "gen.db")
-    assert cli("--db", gen, "generate", "--attempts", "100", "--end", str(T0)).returncode == 0
-    again = cli("--db", gen, "generate", "--attempts", "100", "--end", str(T0), "--seed", "2")
+    assert cli("--db", gen, "generate", "--attempts", "30", "--end", str(T0)).returncode == 0
+    again = cli("--db", gen, "generate", "--attempts", "30", "--end", str(T0), "--seed", "2")
     assert again.returncode == 0, again.stderr
 
 
@@ -572,12 +572,12 @@ def bench(*args: str) -> subprocess.CompletedProcess[str]:
 
 def test_progress_with_eta_on_a_terminal_and_quiet_when_piped(tmp_path: Path) -> None:
     db = str(tmp_path / "gen.db")
-    rc, out, err = _on_a_terminal("--db", db, "generate", "--attempts", "400", "--days",
+    rc, out, err = _on_a_terminal("--db", db, "generate", "--attempts", "120", "--days",
                                   "0.03", "--end", str(T0))
     assert rc == 0, err
-    assert "generate [" in err and "100%" in err and "400/400" in err
+    assert "generate [" in err and "100%" in err and "120/120" in err
     assert "ETA" in err and "elapsed" in err
-    assert re.match(r"generated 400 attempts", out)  # stdout keeps only the result
+    assert re.match(r"generated 120 attempts", out)  # stdout keeps only the result
     piped = bench("audit", "--db", db, "--repeat", "1")
     assert piped.returncode == 0 and piped.stderr == ""
     rc, _out, err = _on_a_terminal("audit", "--db", db, "--repeat", "1", module="benchmarks")
@@ -597,11 +597,11 @@ def test_progress_with_eta_on_a_terminal_and_quiet_when_piped(tmp_path: Path) ->
 
 def test_generate_and_bench_audit(tmp_path: Path) -> None:
     db = str(tmp_path / "gen.db")
-    res = cli("--db", db, "generate", "--attempts", "500", "--days", "1", "--end",
+    res = cli("--db", db, "generate", "--attempts", "200", "--days", "1", "--end",
               str(T0), "--progress", "--json")
     assert res.returncode == 0, res.stderr
     summary = json.loads(res.stdout)
-    assert summary["attempts"] == 500 and summary["runs"] > 150
+    assert summary["attempts"] == 200 and summary["runs"] > 60
     assert summary["failed"] > 0 and summary["failovers"] > 0 and summary["unknown"] >= 0
     assert summary["events"] > 3 * summary["runs"]  # admit, lease, select ..., finish
     assert "100%" in res.stderr  # the progress bar, forced on though stderr is a pipe

@@ -1,10 +1,11 @@
 """On PostgreSQL, the audit queries use indexes: EXPLAIN shows no Seq Scan on attempts or events
 (or on a partition of them holding rows, since migration 0008).
 
-The ledger is filled by the benchmarks' bulk generator (20k attempts over 30 days, so one day is
-~3% of the table, as in a long-lived ledger) and ANALYZEd. Every statement the audit API
-actually sends is captured from the engine and EXPLAINed with its own parameters, so the test
-checks the real queries, not copies of them.
+The ledger is filled by the benchmarks' bulk generator and deepener (5k attempts over the last 8
+days, copied three times further back by the database itself: some 20k attempts over 32 days,
+so one day is ~3% of the table, as in a long-lived ledger) and ANALYZEd. Every statement the
+audit API actually sends is captured from the engine and EXPLAINed with its own parameters, so
+the test checks the real queries, not copies of them.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import Any
 
 import pytest
 
+from benchmarks.deepen import deepen
 from benchmarks.generate import generate
 from ledger.api.facade import Ledger
 from ledger.clock import ManualClock
@@ -36,7 +38,8 @@ def big(pg_server: Any) -> Iterator[Audit]:
     name = f"plans_{os.getpid()}"
     pg_server.create_database(name, template="ledger_template")
     led = Ledger.open(pg_server.url(name), clock=ManualClock(END), migrate_schema=False)
-    generate(led, attempts=20_000, days=30, end=END, seed=7)  # ends with ANALYZE
+    generate(led, attempts=5_000, days=7.5, end=END, seed=7)
+    deepen(led, 3)  # ends with ANALYZE
     try:
         yield Audit(led)
     finally:

@@ -47,7 +47,7 @@ CHARTS = [  # (since, until, buckets): each folded day whole in one bucket, or n
 
 
 def _generated(url: str) -> Ledger:
-    return generated(url, start=END - 4 * DAY, attempts=500, days=3.5, end=END, seed=11)
+    return generated(url, start=END - 4 * DAY, attempts=250, days=3.5, end=END, seed=11)
 
 
 def _answers(led: Ledger) -> dict[str, Any]:
