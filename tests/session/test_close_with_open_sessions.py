@@ -209,7 +209,9 @@ def test_an_async_session_entering_when_the_close_begins_gives_its_lease_back(
                     pytest.fail("the block of a session entered on a closing ledger ran")
         finally:
             faults.disarm()
-            closer.join(30)
+            # Joined off the loop: the close cancels this loop's pool workers on it, and a loop
+            # blocked in the join answered only when the close gave up on it after 10 s.
+            await asyncio.to_thread(closer.join, 30)
         assert not closer.is_alive()
         return caught.value
 
