@@ -26,8 +26,7 @@ def seeded_url(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPath
     else:
         srv = request.getfixturevalue("pg_server")
         name = f"audit_{os.getpid()}_{next(_n)}"
-        srv.create_database(name, template="ledger_template")
-        url = srv.url(name)
+        url = srv.create_database(name, template="ledger_template")
     seed(url)
     return url
 

@@ -61,8 +61,7 @@ def generated(request: pytest.FixtureRequest,
     else:
         srv = request.getfixturevalue("pg_server")
         name = f"gen_{os.getpid()}"
-        srv.create_database(name, template="ledger_template")
-        url = srv.url(name)
+        url = srv.create_database(name, template="ledger_template")
     led = Ledger.open(url, clock=ManualClock(END))
     try:
         stats = generate(led, attempts=N, days=2, end=END, seed=5)

@@ -36,8 +36,8 @@ DAY = 86400.0
 @pytest.fixture(scope="module")
 def big(pg_server: Any) -> Iterator[Audit]:
     name = f"plans_{os.getpid()}"
-    pg_server.create_database(name, template="ledger_template")
-    led = Ledger.open(pg_server.url(name), clock=ManualClock(END), migrate_schema=False)
+    url = pg_server.create_database(name, template="ledger_template")
+    led = Ledger.open(url, clock=ManualClock(END), migrate_schema=False)
     generate(led, attempts=5_000, days=7.5, end=END, seed=7)
     deepen(led, 3)  # ends with ANALYZE
     try:

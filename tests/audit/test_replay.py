@@ -50,8 +50,7 @@ def history(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFac
     else:
         srv = request.getfixturevalue("pg_server")
         name = f"replay_{os.getpid()}"
-        srv.create_database(name, template="ledger_template")
-        url = srv.url(name)
+        url = srv.create_database(name, template="ledger_template")
     clock = ManualClock(END - 86400.0)
     with Ledger.open(url, clock=clock) as led:
         runs = record(led, clock)

@@ -46,8 +46,7 @@ def big(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
     else:
         srv = request.getfixturevalue("pg_server")
         name = f"scale_{os.getpid()}"
-        srv.create_database(name, template="ledger_template")
-        url = srv.url(name)
+        url = srv.create_database(name, template="ledger_template")
     with Ledger.open(url, clock=ManualClock(END)) as led:
         st = generate(led, attempts=ATTEMPTS, days=DAYS, end=END, seed=11, frozen_policy=True)
     assert st.attempts == ATTEMPTS

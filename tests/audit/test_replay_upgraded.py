@@ -159,8 +159,7 @@ def recorded(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFa
     else:
         srv = request.getfixturevalue("pg_server")
         name = f"upgraded_{era}_{os.getpid()}"
-        srv.create_database(name, template="ledger_template")
-        url = srv.url(name)
+        url = srv.create_database(name, template="ledger_template")
     runs = _record(url)
     if era == "upgraded":
         _as_before_0020(url, runs)

@@ -60,7 +60,7 @@ class Db:
 def cut_db(pg_server: PgServer, prefix: str) -> Iterator[Db]:
     """A fresh database behind a cutter; its books must reconcile at the end."""
     name = f"{prefix}_{os.getpid()}_{next(_names)}"
-    pg_server.create_database(name, template="ledger_template")
-    with CommitCutter(pg_server.port) as cutter, Ledger.open(pg_server.url(name)) as led:
+    url = pg_server.create_database(name, template="ledger_template")
+    with CommitCutter(pg_server.port) as cutter, Ledger.open(url) as led:
         yield Db(cutter, name, led)
         assert reconcile(led).violations == []

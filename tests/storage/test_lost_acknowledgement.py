@@ -186,8 +186,8 @@ class Books:
 @pytest.fixture
 def books(pg_server: PgServer, fake: FakeProvider) -> Iterator[Books]:
     name = f"cut_{os.getpid()}_{next(_names)}"
-    pg_server.create_database(name, template="ledger_template")
-    with CommitCutter(pg_server.port) as cutter, Ledger.open(pg_server.url(name)) as led:
+    url = pg_server.create_database(name, template="ledger_template")
+    with CommitCutter(pg_server.port) as cutter, Ledger.open(url) as led:
         yield Books(pg_server, cutter, fake, name, led)
         assert reconcile(led).violations == []
 
