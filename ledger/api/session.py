@@ -485,11 +485,14 @@ class _SessionCore:
         """
         from ledger.api.lease import ExitWriter
 
-        store = self.ledger._store
-        if store.closed or not any(isinstance(i, UnresolvedExit)
-                                   for i in store.pending.of(self.run_id)):
+        if self.ledger._store.closed or not self._exit_remembered():
             return
         ExitWriter(keeper).start()
+
+    def _exit_remembered(self) -> bool:
+        """Whether this process still holds the Run's exit for later (the database refused it)."""
+        return any(isinstance(i, UnresolvedExit)
+                   for i in self.ledger._store.pending.of(self.run_id))
 
     def _claimed_exit(self, exit: UnresolvedExit, status: RunStatus) -> Flow[None]:
         """Remember the exit, then write it, the Run's writes claimed meanwhile.
@@ -1147,12 +1150,10 @@ class RunSession(_SessionCore):
             self._write_later(keeper)
             self._unfinished(stop, e)  # logged, and noted on the interruption
         except BaseException as e:
-            store = self.ledger._store
             self._write_later(keeper)
             later = ("this process writes it at its next write for the Run, from a thread that "
                      "tries again meanwhile, or at the ledger's close()"
-                     if any(isinstance(i, UnresolvedExit)
-                            for i in store.pending.of(self.run_id))
+                     if self._exit_remembered()
                      else f"its lease lapses in {self.lease_ttl_s:g} s")
             log.warning("run %s: leaving after %r, finishing the Run or releasing its lease "
                         "was interrupted again; %s: %r", self.run_id, stop, later, e)

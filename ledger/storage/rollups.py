@@ -103,6 +103,18 @@ def _next_each(conn: Any, col: Any, lo: int, hi: int, *where: ColumnElement[bool
     return found
 
 
+def _whole_days(conn: Any, lo: int, hi: int) -> set[int]:
+    """The days in ``[lo, hi)`` (from day 0) whose 24 hours are all marked rolled and that are
+    not folded: the days a fold may fold (it checks again under the days' hour locks)."""
+    h = s.rollup_hours.c.hour
+    day = (h // DAY_HOURS).label("day")  # a floor for hours from 0
+    whole = {int(d) for d in conn.execute(
+        select(day).where(h >= lo * DAY_HOURS, h < hi * DAY_HOURS).group_by(day)
+        .having(func.count() == DAY_HOURS)).scalars()}
+    d = s.rollup_days.c.day
+    return whole - {int(x) for x in conn.execute(select(d).where(d >= lo, d < hi)).scalars()}
+
+
 def fold_rows(conn: Any, table: Table, keys: tuple[str, ...], lo: int, hi: int) -> None:
     """Replace roll-up ``table``'s rows of hours ``[lo, hi]`` with their sums per ``keys``
     (every other column but ``hour`` summed), at hour ``lo``: a day's fold, and retention's
@@ -203,50 +215,38 @@ class RollupQueries:
         (migration 0016). On PostgreSQL the day's 24 hour locks are taken without waiting: a
         day whose hour a writer holds (or another fold) is left for the next run.
         """
-        h = s.rollup_hours.c.hour
         end = hour_of(before) // DAY_HOURS  # days below it ended by before
         with self.ctx.reading() as conn:
-            day = (h // DAY_HOURS).label("day")  # floor for hours from 0; fold re-checks
-            whole = {int(d) for d in conn.execute(
-                select(day).where(h >= 0, h < end * DAY_HOURS).group_by(day)
-                .having(func.count() == DAY_HOURS)).scalars()}
-            whole -= {int(d) for d in conn.execute(select(s.rollup_days.c.day)).scalars()}
+            days = sorted(_whole_days(conn, 0, end))
         folded = 0
-        days = sorted(whole)
         for i in range(0, len(days), _EMPTY_DAYS):
-            chunk = days[i:i + _EMPTY_DAYS]
             with self.ctx.writing() as conn:
-                empty = self._fold_empty(conn, chunk, now)
+                empty, full = self._fold_empty(conn, days[i:i + _EMPTY_DAYS], now)
             folded += len(empty)
-            for d in chunk:
-                if d not in empty:
-                    with self.ctx.writing() as conn:
-                        if self._fold_day(conn, d, now):
-                            folded += 1
+            for d in full:
+                with self.ctx.writing() as conn:
+                    if self._fold_day(conn, d, now):
+                        folded += 1
         return folded
 
-    def _fold_empty(self, conn: Any, days: list[int], now: float) -> set[int]:
+    def _fold_empty(self, conn: Any, days: list[int], now: float
+                    ) -> tuple[set[int], list[int]]:
         """Mark folded, in one transaction, those of ``days`` (ascending) with no roll-up row
-        (a ledger idle for a month has 30 of them); return them. The others are left to
-        :meth:`_fold_day`, one to a transaction: there is something to sum.
+        (a ledger idle for a month has 30 of them). Returns them, and the days with rows to
+        sum, which :meth:`_fold_day` folds one to a transaction.
 
         Under the same hour locks and checks as :meth:`_fold_day`: taken without waiting,
-        every hour of the day still marked, the day not folded meanwhile.
+        every hour of the day still marked, the day not folded meanwhile. A day failing them
+        is in neither: it is left for the next roll-up (its locks were just refused).
         """
         hours = [h for d in days for h in range(d * DAY_HOURS, (d + 1) * DAY_HOURS)]
         taken = self.ctx.lock_hours(conn, hours)
         ready = [d for d in days
                  if all(h in taken for h in range(d * DAY_HOURS, (d + 1) * DAY_HOURS))]
         if not ready:
-            return set()
+            return set(), []
         lo, hi = ready[0] * DAY_HOURS, (ready[-1] + 1) * DAY_HOURS
-        h = s.rollup_hours.c.hour
-        day = (h // DAY_HOURS).label("day")
-        whole = {int(d) for d in conn.execute(
-            select(day).where(h >= lo, h < hi).group_by(day)
-            .having(func.count() == DAY_HOURS)).scalars()}
-        whole -= {int(d) for d in conn.execute(select(s.rollup_days.c.day).where(
-            s.rollup_days.c.day.between(ready[0], ready[-1]))).scalars()}
+        whole = _whole_days(conn, ready[0], ready[-1] + 1)
         held: set[int] = set()
         for table, _keys in FOLDED:
             held |= {x // DAY_HOURS for x in _next_each(conn, table.c.hour, lo, hi,
@@ -255,7 +255,7 @@ class RollupQueries:
         if empty:
             conn.execute(s.rollup_days.insert(),
                          [{"day": d, "folded_at": now} for d in sorted(empty)])
-        return empty
+        return empty, [d for d in ready if d in whole and d in held]
 
     def _fold_day(self, conn: Any, d: int, now: float) -> bool:
         lo, hi = d * DAY_HOURS, (d + 1) * DAY_HOURS - 1
