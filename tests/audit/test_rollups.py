@@ -185,6 +185,46 @@ def test_totals_read_from_rollups_are_the_totals_read_from_attempts(db_url: str)
         led.close()
 
 
+def test_the_totals_by_run_page_by_page_are_every_runs_own_sums_most_expensive_first(
+        db_url: str) -> None:
+    """The totals by run choose a page's Runs on their cost, then sum only those: read in
+    pages of 7, over the whole history and a ragged window, they are every Run's sums read
+    straight off its attempts (and its money off the Run's own counters), costliest first,
+    ties by run id, none missing or repeated."""
+    led = _generated(db_url)
+    try:
+        audit = Audit(led)
+        for since, until in ((None, None), WINDOWS[1]):
+            pages, cursor = [], None
+            while True:
+                page = audit.costs(by="run", since=since, until=until, limit=7, cursor=cursor)
+                pages.extend(page.items)
+                if page.next_cursor is None:
+                    break
+                cursor = page.next_cursor
+            got = [(t.key, t.attempts, t.succeeded, t.failed, t.unknown, t.prompt_tokens,
+                    t.completion_tokens, t.cost) for t in pages]
+            lo, hi = since or 0.0, until or 1e12
+            rows = _sql(db_url, "SELECT run_id, count(*), "
+                        "sum(CASE WHEN state = 'succeeded' THEN 1 ELSE 0 END), "
+                        "sum(CASE WHEN state = 'failed' THEN 1 ELSE 0 END), "
+                        "sum(CASE WHEN state = 'unknown' THEN 1 ELSE 0 END), "
+                        "coalesce(sum(prompt_tokens), 0), coalesce(sum(completion_tokens), 0) "
+                        "FROM attempts WHERE created_at >= :lo AND created_at < :hi "
+                        "GROUP BY run_id", {"lo": lo, "hi": hi})
+            counts = {str(r[0]): tuple(int(x) for x in r[1:]) for r in rows}
+            costs = {t[0]: t[7] for t in got}
+            assert sorted(t[0] for t in got) == sorted(counts)  # every Run once
+            assert {t[0]: t[1:7] for t in got} == counts
+            assert [t[0] for t in got] == sorted(costs, key=lambda k: (-costs[k], k))
+            assert len(set(costs.values())) < len(costs)  # ties there were, ordered by id
+            if since is None:
+                # A Run's own counters: what its attempts were charged, over its whole life.
+                assert all(led.get_run(k).posted == c for k, c in costs.items())
+    finally:
+        led.close()
+
+
 def _clock(led: Ledger) -> ManualClock:
     clock = led.clock
     assert isinstance(clock, ManualClock)
