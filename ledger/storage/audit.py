@@ -148,6 +148,11 @@ def _offset(cursor: str | None) -> int:
     return off
 
 
+# Run ids bound in one statement of the totals by run: a page may hold 10,000 Runs, and a
+# SQLite built before 3.32 takes at most 999 bound values in a statement.
+_IDS_PER_STATEMENT = 500
+
+
 def _check_limit(limit: int) -> None:
     if limit <= 0 or limit > 10_000:
         raise InvalidArgument("limit must be between 1 and 10000", field="limit")
@@ -391,7 +396,9 @@ class AuditQueries:
         if not page:
             return []
         rank = {k: i for i, k in enumerate(page)}
-        rows = _maps(conn.execute(q.where(key.in_(page))).all())
+        rows: list[RowMap] = []
+        for i in range(0, len(page), _IDS_PER_STATEMENT):
+            rows += _maps(conn.execute(q.where(key.in_(page[i:i + _IDS_PER_STATEMENT]))).all())
         return sorted(rows, key=lambda r: rank[r["key"]])
 
     def _totals_query(self, by: str, key: ColumnElement[Any], label: str | None,

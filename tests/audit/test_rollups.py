@@ -19,6 +19,7 @@ from ledger.cli.main import main
 from ledger.clock import ManualClock
 from ledger.domain.bounds import MAX_FOLD_AFTER_S, MAX_LAG_S
 from ledger.ops.audit import Audit, to_jsonable
+from ledger.storage import audit as audit_queries
 from ledger.storage.engine import normalize_url
 from ledger.storage.hours import CARRIED_HOUR, hour_of
 from tests.audit.generated import generated
@@ -185,12 +186,15 @@ def test_totals_read_from_rollups_are_the_totals_read_from_attempts(db_url: str)
         led.close()
 
 
+@pytest.mark.parametrize("ids_per_statement", [500, 3])
 def test_the_totals_by_run_page_by_page_are_every_runs_own_sums_most_expensive_first(
-        db_url: str) -> None:
-    """The totals by run choose a page's Runs on their cost, then sum only those: read in
+        db_url: str, ids_per_statement: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The totals by run choose a page's Runs on their cost, then sum only those (their ids
+    bound a few hundred to a statement; here also 3, so a page of 7 takes three): read in
     pages of 7, over the whole history and a ragged window, they are every Run's sums read
     straight off its attempts (and its money off the Run's own counters), costliest first,
     ties by run id, none missing or repeated."""
+    monkeypatch.setattr(audit_queries, "_IDS_PER_STATEMENT", ids_per_statement)
     led = _generated(db_url)
     try:
         audit = Audit(led)
