@@ -386,9 +386,11 @@ class AuditQueries:
 
         A day holds nearly as many Runs as attempts (87,000 of 143,000 in the project's
         generated history), and keeping every column's sum for each of them while choosing
-        the page cost PostgreSQL some 40 % of the read (docs/benchmarks.md). The order and the
-        page are those of ``q`` ordered by cost (ties by run id): the same sums of the same
-        rows."""
+        the page cost about a third of the read (docs/benchmarks.md). The order and the page
+        are those of ``q`` ordered by cost (ties by run id): the same sums of the same rows.
+        Both statements read the same window in the read's one snapshot; on PostgreSQL the
+        first holds its partitions' locks to the end, so retention cannot drop one between
+        them."""
         window = time_range(s.attempts.c.created_at, since, until)
         page = [r[0] for r in conn.execute(
             select(key).where(*window).group_by(self.ctx.group_key(key))
