@@ -27,6 +27,11 @@ Armed with ``arm(n)``, the n-th ``COMMIT`` loses its connection:
 died with no standby promoted yet: every connection is closed, and every new one is closed as
 soon as it is accepted, until :meth:`CommitCutter.up`.
 
+``stall(marker)`` makes the server slow to read: the client's bytes that carry the next
+statement whose text holds ``marker`` (and all after them on that connection) are held until a
+cancel request has gone through the proxy (its connection ended: the server signalled the
+session), so that the session is idle when the cancel comes, and ignores it.
+
 ``hold()`` makes the server slow to take new connections: each one accepted from then on waits,
 unforwarded, until :meth:`CommitCutter.unhold` (``held`` says when each was accepted); the
 connections already made keep working.
@@ -55,6 +60,8 @@ _TERMINATED_MSG = b"E" + struct.pack("!i", 4 + len(_TERMINATED)) + _TERMINATED
 _SSL_REQUEST = 80877103
 _GSS_REQUEST = 80877104
 _CANCEL_REQUEST = 80877102
+# How long stalled bytes wait for a cancel request at most: a test that misses fails, never hangs.
+STALL_S = 30.0
 
 
 @dataclass
@@ -110,6 +117,8 @@ class _Conn:
     tx: list[str] = field(default_factory=list)  # statements since the last COMMIT/ROLLBACK
     cutting: str | None = None  # a cut under way: forward through the next Sync, then cut
     dead: bool = False
+    cancel: bool = False  # a cancel request's connection
+    stalled: bool = False  # the next bytes wait for a cancel request (CommitCutter.stall)
     # Set by a "terminated" cut, before the COMMIT reaches the server: the server's answers
     # from then on are read message by message (it flushes them at the Sync, so the first
     # byte after the cut starts a message), up to the ReadyForQuery the FATAL replaces.
@@ -138,6 +147,8 @@ class CommitCutter:
         self._admit = threading.Event()
         self._admit.set()
         self.held: list[float] = []  # time.monotonic() of each connection accepted while held
+        self._stall: str | None = None
+        self._cancelled = threading.Event()
         self._accepter = threading.Thread(target=self._accept, daemon=True,
                                           name="commit-cutter")
         self._accepter.start()
@@ -172,6 +183,13 @@ class CommitCutter:
         with self._lock:
             self.down, self._down_after = False, False
             self._cuts, self._kinds, self._then = {}, {}, []
+
+    def stall(self, marker: str) -> None:
+        """Hold the bytes of the next statement whose text holds ``marker``, and what follows
+        them on its connection, until a cancel request has gone through (or ``STALL_S``)."""
+        with self._lock:
+            self._stall = marker
+            self._cancelled.clear()
 
     def hold(self) -> None:
         """New connections wait, unanswered, until :meth:`unhold` (a server slow to accept)."""
@@ -269,6 +287,8 @@ class CommitCutter:
                     # drop it (an "after" cut told "instead"): drain until the server ends.
                     continue
                 break
+        if conn.cancel:
+            self._cancelled.set()  # the server ended it: the session was signalled
         if not conn.dead:
             self._kill(conn)
         with contextlib.suppress(OSError):
@@ -291,6 +311,9 @@ class CommitCutter:
                 if self._down_after:
                     self._go_down()
                 return
+            if conn.stalled:
+                self._cancelled.wait(STALL_S)
+                conn.stalled = False
             try:
                 if out:
                     conn.server.sendall(out)
@@ -314,7 +337,7 @@ class CommitCutter:
                 out += buf[:length]
                 conn.buf = buf[length:]
                 if code == _CANCEL_REQUEST:
-                    conn.startup = False
+                    conn.startup, conn.cancel = False, True
                 continue
             if len(buf) < 5:
                 return bytes(out), None
@@ -327,10 +350,12 @@ class CommitCutter:
             committed = False
             if kind == b"Q":
                 query, _ = _cstring(body, 0)
+                self._stalls(conn, query)
                 committed = self._executed(conn, query)
             elif kind == b"P":
                 name, at = _cstring(body, 0)
                 query, _ = _cstring(body, at)
+                self._stalls(conn, query)
                 conn.statements[name] = query
             elif kind == b"B":
                 portal, at = _cstring(body, 0)
@@ -350,6 +375,11 @@ class CommitCutter:
             out += msg
             if conn.cutting is not None and kind == b"S":
                 return bytes(out), conn.cutting
+
+    def _stalls(self, conn: _Conn, query: str) -> None:
+        with self._lock:
+            if self._stall is not None and self._stall in query:
+                self._stall, conn.stalled = None, True
 
     def _executed(self, conn: _Conn, query: str) -> bool:
         """Note a statement run on ``conn``; whether it was a COMMIT."""

@@ -509,7 +509,8 @@ class PgDriver:
             commit = isinstance(step, Flush) and step.commit
             committing.sent, committing.done = commit, False
             kept = _kept_cursors(conn)
-            with conn.pipeline():
+            # The cancels stop once the pipeline's exit returned (it exits first).
+            with _Cancels(conn) as cancels, conn.pipeline():
                 cursors: list[tuple[Any, bool]] = []
                 try:
                     if first:
@@ -525,7 +526,7 @@ class PgDriver:
                     if commit:
                         _cursor(conn, kept, _COMMIT, cursors).execute(_COMMIT)
                 except BaseException:
-                    _cancel(conn)
+                    cancels.start()
                     raise
             committing.done = commit  # the pipeline's end read the COMMIT's answer
             first = False
@@ -588,7 +589,7 @@ class PgDriver:
             commit = isinstance(step, Flush) and step.commit
             committing.sent, committing.done = commit, False
             kept = _kept_cursors(conn)
-            async with conn.pipeline():
+            async with _ACancels(conn) as cancels, conn.pipeline():
                 cursors: list[tuple[Any, bool]] = []
                 try:
                     if first:
@@ -604,7 +605,7 @@ class PgDriver:
                     if commit:
                         await _cursor(conn, kept, _COMMIT, cursors).execute(_COMMIT)
                 except BaseException:
-                    await _acancel(conn)
+                    await cancels.start()
                     raise
             committing.done = commit  # the pipeline's end read the COMMIT's answer
             first = False
@@ -886,15 +887,16 @@ def _standby_refusal(e: Any, conn: Any) -> bool:
 
 #: How long a cancel request may take (a new connection to the server) before it is given up.
 CANCEL_TIMEOUT_S = 5.0
+#: How long after a cancel request the next one is sent, while the pipeline has not ended;
+#: doubled each time, up to :data:`CANCEL_AGAIN_MAX_S`.
+CANCEL_AGAIN_S = 0.05
+CANCEL_AGAIN_MAX_S = 1.0
 
 
 def _cancel(conn: Any) -> None:
-    """Ask the server to cancel what ``conn`` runs: a pipeline left by an exception raised
-    while it was being filled (an interruption landing in Python code, not in psycopg's wait,
-    which would cancel it itself) otherwise waits at its exit for every statement already
-    sent, behind whatever lock holds one. Best effort: the transaction is aborted after it
-    anyway, and a ``COMMIT`` already sent may still have been carried out (its outcome is
-    unknown, as for any interruption of it)."""
+    """Ask the server to cancel what ``conn`` runs. Best effort: the transaction is aborted
+    after it anyway, and a ``COMMIT`` already sent may still have been carried out (its
+    outcome is unknown, as for any interruption of it)."""
     with contextlib.suppress(Exception):
         conn.cancel_safe(timeout=CANCEL_TIMEOUT_S)
 
@@ -903,6 +905,82 @@ async def _acancel(conn: Any) -> None:
     """:func:`_cancel` for an asyncio connection."""
     with contextlib.suppress(Exception):
         await conn.cancel_safe(timeout=CANCEL_TIMEOUT_S)
+
+
+def _cancel_waits() -> Generator[float, None, None]:
+    wait = CANCEL_AGAIN_S
+    while True:
+        yield wait
+        wait = min(wait * 2, CANCEL_AGAIN_MAX_S)
+
+
+class _Cancels:
+    """Cancel requests for a pipeline left by an exception raised while it was being filled
+    (an interruption landing in Python code, not in psycopg's wait, which would cancel it
+    itself): its exit otherwise waits for every statement already sent, behind whatever lock
+    holds one. :meth:`start` sends one at once, then sends them again, further and further
+    apart, until the context (entered around the pipeline) exits.
+
+    Once is not enough: a server that has not yet read the statements when the request
+    comes finds its session idle, and ignores it; it reads them after and waits on the lock.
+    A request still on its way once the pipeline has ended finds the session idle too, so
+    none can cancel a later statement of the connection: the exit waits for the last one."""
+
+    def __init__(self, conn: Any) -> None:
+        self.conn = conn
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def __enter__(self) -> _Cancels:
+        return self
+
+    def start(self) -> None:
+        """Cancel now, and again until the exit."""
+        _cancel(self.conn)
+        self._thread = threading.Thread(target=self._again, name="ledger-cancel", daemon=True)
+        self._thread.start()
+
+    def _again(self) -> None:
+        for wait in _cancel_waits():
+            if self._stop.wait(wait):
+                return
+            _cancel(self.conn)
+
+    def __exit__(self, *exc: object) -> None:
+        if self._thread is not None:
+            self._stop.set()
+            self._thread.join()
+
+
+class _ACancels:
+    """:class:`_Cancels` for an asyncio connection (a task of its loop sends them again)."""
+
+    def __init__(self, conn: Any) -> None:
+        self.conn = conn
+        self._stop = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+
+    async def __aenter__(self) -> _ACancels:
+        return self
+
+    async def start(self) -> None:
+        """Cancel now, and again until the exit."""
+        await _acancel(self.conn)
+        self._task = asyncio.get_running_loop().create_task(self._again())
+
+    async def _again(self) -> None:
+        for wait in _cancel_waits():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._stop.wait(), wait)
+                return
+            await _acancel(self.conn)
+
+    async def __aexit__(self, *exc: object) -> None:
+        if self._task is not None:
+            # Stopped between two requests, never in one (a request cut short may still
+            # reach the server, later): waited for, as :class:`_Cancels` joins its thread.
+            self._stop.set()
+            await asyncio.wait({self._task})
 
 
 def _abort(conn: Any, *, forget: bool = False) -> None:
