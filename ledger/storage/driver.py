@@ -926,10 +926,11 @@ class _Cancels:
     A request still on its way once the pipeline has ended finds the session idle too, so
     none can cancel a later statement of the connection: the exit waits for the last one."""
 
+    # Entered around every pipeline: nothing is made until an exception asks for it.
+    _thread: threading.Thread | None = None
+
     def __init__(self, conn: Any) -> None:
         self.conn = conn
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
 
     def __enter__(self) -> _Cancels:
         return self
@@ -937,6 +938,7 @@ class _Cancels:
     def start(self) -> None:
         """Cancel now, and again until the exit."""
         _cancel(self.conn)
+        self._stop = threading.Event()
         self._thread = threading.Thread(target=self._again, name="ledger-cancel", daemon=True)
         self._thread.start()
 
@@ -955,10 +957,10 @@ class _Cancels:
 class _ACancels:
     """:class:`_Cancels` for an asyncio connection (a task of its loop sends them again)."""
 
+    _task: asyncio.Task[None] | None = None
+
     def __init__(self, conn: Any) -> None:
         self.conn = conn
-        self._stop = asyncio.Event()
-        self._task: asyncio.Task[None] | None = None
 
     async def __aenter__(self) -> _ACancels:
         return self
@@ -966,6 +968,7 @@ class _ACancels:
     async def start(self) -> None:
         """Cancel now, and again until the exit."""
         await _acancel(self.conn)
+        self._stop = asyncio.Event()
         self._task = asyncio.get_running_loop().create_task(self._again())
 
     async def _again(self) -> None:
