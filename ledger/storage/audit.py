@@ -45,7 +45,7 @@ from sqlalchemy import (
 from ledger.domain.validation import Problem, label_key
 from ledger.errors import InvalidArgument
 from ledger.storage import schema as s
-from ledger.storage.context import RowMap, SqlContext
+from ledger.storage.context import IDS_PER_STATEMENT, RowMap, SqlContext, id_chunks
 from ledger.storage.encode import fact_member
 from ledger.storage.hours import (
     HOUR,
@@ -148,9 +148,8 @@ def _offset(cursor: str | None) -> int:
     return off
 
 
-# Run ids bound in one statement of the totals by run: a page may hold 10,000 Runs, and a
-# SQLite built before 3.32 takes at most 999 bound values in a statement.
-_IDS_PER_STATEMENT = 500
+# Run ids bound in one statement of the totals by run (a page may hold 10,000 Runs).
+_IDS_PER_STATEMENT = IDS_PER_STATEMENT
 
 
 def _check_limit(limit: int) -> None:
@@ -399,8 +398,8 @@ class AuditQueries:
             return []
         rank = {k: i for i, k in enumerate(page)}
         rows: list[RowMap] = []
-        for i in range(0, len(page), _IDS_PER_STATEMENT):
-            rows += _maps(conn.execute(q.where(key.in_(page[i:i + _IDS_PER_STATEMENT]))).all())
+        for chunk in id_chunks(page, _IDS_PER_STATEMENT):
+            rows += _maps(conn.execute(q.where(key.in_(chunk))).all())
         return sorted(rows, key=lambda r: rank[r["key"]])
 
     def _totals_query(self, by: str, key: ColumnElement[Any], label: str | None,

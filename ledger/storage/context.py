@@ -38,6 +38,16 @@ ClockFn = Callable[[], float]
 #: One row of a read query, by column name.
 RowMap = Mapping[str, Any]
 
+#: Ids bound in one statement's ``IN (...)`` at most: a SQLite built before 3.32 takes at most
+#: 999 bound values in a statement.
+IDS_PER_STATEMENT = 500
+
+
+def id_chunks(ids: Sequence[str], n: int = IDS_PER_STATEMENT) -> Iterator[list[str]]:
+    """``ids`` in order, ``n`` at a time: one statement's ``IN (...)`` each."""
+    for i in range(0, len(ids), n):
+        yield list(ids[i:i + n])
+
 
 class SqlContext(abc.ABC):
     """One database for the queries built on it: an engine, its transactions and the hooks
@@ -334,4 +344,4 @@ def percentile_cont(ordered: Sequence[float], fraction: float) -> float:
     return lo + (hi - lo) * (pos - low)
 
 
-__all__ = ["ClockFn", "RowMap", "SqlContext", "percentile_cont"]
+__all__ = ["IDS_PER_STATEMENT", "ClockFn", "RowMap", "SqlContext", "id_chunks", "percentile_cont"]

@@ -13,7 +13,7 @@ SQLite serializes writers with ``BEGIN IMMEDIATE``, so the re-check alone suffic
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,7 +39,7 @@ from ledger.domain.timefmt import when
 from ledger.errors import DatabaseUnavailable, InvalidState, LeaseHeld, NotFound
 from ledger.storage import schema as s
 from ledger.storage.carve import give_back
-from ledger.storage.context import ClockFn, SqlContext
+from ledger.storage.context import ClockFn, SqlContext, id_chunks
 from ledger.storage.encode import event_json
 from ledger.storage.rows import attempt_record, run_record
 from ledger.storage.wake import poke
@@ -108,11 +108,6 @@ def _dispatching(conn: Connection, run_ids: list[str] | None) -> list[tuple[str,
     return [(row[0], int(row[1])) for row in conn.execute(q)]
 
 
-def _chunks(items: Sequence[str], n: int = 500) -> Iterator[list[str]]:
-    for i in range(0, len(items), n):
-        yield list(items[i:i + n])
-
-
 def _expired(row: Any, now: float) -> bool:
     return (row.lease_holder is not None and row.lease_expires_at is not None
             and row.lease_expires_at <= now)
@@ -143,7 +138,7 @@ def _own_takeovers(conn: Connection, rows: Mapping[str, Any], executor: str,
     # The event stores its strings redacted: compare what it would have stored.
     mine = json.loads(event_json({"executor": executor, "pass": pass_id}))
     latest: dict[str, dict[str, Any]] = {}
-    for chunk in _chunks(sorted(rows)):
+    for chunk in id_chunks(sorted(rows)):
         last = (select(func.max(e.event_id)).where(e.run_id.in_(chunk), e.kind == "recover")
                 .group_by(e.run_id))
         for run_id, data in conn.execute(select(e.run_id, e.data)
@@ -205,7 +200,7 @@ class RecoveryQueries:
                 q = q.where(r.run_id.in_(run_ids))
             found = {row[0]: row[1] for row in conn.execute(q)}
             busy = sorted({rid for rid, _ in _dispatching(conn, run_ids)} - found.keys())
-            for chunk in _chunks(busy):
+            for chunk in id_chunks(busy):
                 found.update((row[0], row[1]) for row in conn.execute(
                     select(r.run_id, r.lease_expires_at)
                     .where(r.run_id.in_(chunk), _expired_cond(now))))
@@ -368,7 +363,7 @@ class RecoveryQueries:
             for rid, fence in _dispatching(conn, run_ids):
                 oldest[rid] = min(fence, oldest.get(rid, fence))
             orphaned: list[str] = []
-            for chunk in _chunks(sorted(oldest)):
+            for chunk in id_chunks(sorted(oldest)):
                 orphaned += [row[0] for row in conn.execute(
                     select(r.run_id, r.fence).where(r.run_id.in_(chunk)))
                     if oldest[row[0]] < row[1]]

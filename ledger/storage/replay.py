@@ -24,7 +24,7 @@ from typing import Any
 from sqlalchemy import Connection, select
 
 from ledger.storage import schema as s
-from ledger.storage.context import SqlContext
+from ledger.storage.context import SqlContext, id_chunks
 
 #: The events a replay reads: the decisions, and the same-route retries' numbers.
 DECISION_KINDS = ("select", "stop", "retry")
@@ -128,8 +128,8 @@ class ReplayQueries:
         found: dict[str, str] = {}
         ids: Sequence[str] = sorted(one.values())
         r = s.runs.c
-        for i in range(0, len(ids), 500):
-            q = select(r.policy_hash, r.policy).where(r.run_id.in_(ids[i:i + 500]))
+        for chunk in id_chunks(ids):
+            q = select(r.policy_hash, r.policy).where(r.run_id.in_(chunk))
             for h, text in conn.execute(q).all():
                 found.setdefault(h, text)
         return found
