@@ -84,6 +84,12 @@ def fmt_until(t: float | None, now: float) -> str:
     return when(t, now)
 
 
+def fmt_ahead(t: float | None, now: float) -> str:
+    """A time that holds only until it comes (a cooldown, a disable): as :func:`fmt_until`
+    while ahead, ``-`` once passed (the row keeps it; a cooldown that ran out is none)."""
+    return "-" if t is None or t <= now else when(t, now)
+
+
 def fmt_event_data(data: Any, now: float) -> str:
     """An event's data as ``key=value`` pairs; times (``until``, ``*_at``) as ISO and relative."""
     return data_text(data, now)
@@ -732,9 +738,10 @@ def _health(args: argparse.Namespace) -> int:
     # instant, as an operator compares it with when Attempts began.
     print(table(["KEY", "KIND", "PROVIDER", "STATUS", "COOLDOWN", "DISABLED", "ERRORS",
                  "RECENT", "LAST FAILURE", "LAST PROBE", "COUNTED SINCE"],
-                [[k.key, k.kind, k.provider, k.status, fmt_until(k.cooldown_until, now),
-                  fmt_until(k.disabled_until, now)
-                  + (f" ({k.disabled_reason})" if k.disabled_reason else ""),
+                [[k.key, k.kind, k.provider, k.status, fmt_ahead(k.cooldown_until, now),
+                  fmt_ahead(k.disabled_until, now)
+                  + (f" ({k.disabled_reason})" if k.status == "disabled"
+                     and k.disabled_reason else ""),
                   k.error_count, k.recent_failures, relative(k.last_failure_at, now),
                   relative(k.last_probe_at, now), fmt_until(k.counted_at, now)]
                  for k in rep.routes + rep.profiles]))

@@ -195,6 +195,11 @@ def _until(ts: float | None, now: float) -> str:
     return _t(ts)
 
 
+def _ahead(ts: float | None, now: float) -> str:
+    """A time that holds only until it comes (a cooldown, a disable): ``-`` once passed."""
+    return _e(None) if ts is None or ts <= now else _until(ts, now)
+
+
 def _money(d: Decimal | None) -> str:
     return _e(None) if d is None else _e(f"{d:.6f}")
 
@@ -280,9 +285,10 @@ def _glance_html(rep: HealthReport, attempts: int, bad: int, failovers: int, cos
 def _health_html(rep: HealthReport) -> str:
     now = rep.now
     keys = [[_e(k.key), _e(k.kind), _e(k.provider), _tag(k.status),
-             _until(k.cooldown_until, now),
-             _until(k.disabled_until, now) + (f" ({_e(k.disabled_reason)})"
-                                              if k.disabled_reason else ""),
+             _ahead(k.cooldown_until, now),
+             _ahead(k.disabled_until, now) + (f" ({_e(k.disabled_reason)})"
+                                              if k.status == "disabled"
+                                              and k.disabled_reason else ""),
              str(k.error_count), str(k.recent_failures), _ago(k.last_failure_at, now),
              _ago(k.last_probe_at, now), _ago(k.counted_at, now)]
             for k in rep.routes + rep.profiles]
