@@ -305,7 +305,8 @@ def sqlite_file(norm: str, parsed: URL) -> str:
             f"cannot open SQLite database {db!r}: folder {parent!r} is not writable by this "
             f"process, and SQLite must create {names} there (a ledger keeps its -wal and -shm "
             "files beside its file, even to read it); make the folder writable for this user "
-            "or choose another path; retrying will not help",
+            "or choose another path (to read a copy, copy it to a folder this user can "
+            "write); retrying will not help",
             url=redact_url(norm), problem="folder_read_only", database=db, role=None,
         )
     return db
@@ -355,7 +356,7 @@ def file_holds(path: str, timeout_s: float = 5.0) -> Holds:
         return "empty"
     # Not through the engine: its connection switches the file to WAL first, which writes the
     # file's header, and a file that is not a ledger must stay as it was.
-    uri = Path(path).resolve().as_uri() + ("?mode=rw" if _wal_unopened(path) else "?mode=ro")
+    uri = Path(path).resolve().as_uri() + _holds_mode(path)
     with mapped_errors("sqlite:///" + os.path.abspath(path)):
         try:
             conn = sqlite3.connect(uri, uri=True, timeout=timeout_s)
@@ -372,6 +373,22 @@ def file_holds(path: str, timeout_s: float = 5.0) -> Holds:
     if not names:
         return "empty"
     return "ledger" if names >= _LEDGER_TABLES else "foreign"
+
+
+def _holds_mode(path: str) -> str:
+    """How :func:`file_holds` opens ``path`` (see :func:`_wal_unopened`).
+
+    A WAL-mode file no connection has open, in a folder this process may not write, is read
+    ``immutable``: SQLite cannot create the ``-shm`` file a WAL reader needs there, and read
+    only or not, it said "attempt to write a readonly database", which the reporting commands
+    told as a refused write. No writer can have the file open (it would have made the
+    ``-wal``), so nothing changes under the read; the open that follows names the folder
+    (:func:`sqlite_file`'s ``folder_read_only``)."""
+    if not _wal_unopened(path):
+        return "?mode=ro"
+    if os.access(os.path.dirname(os.path.abspath(path)), os.W_OK | os.X_OK):
+        return "?mode=rw"
+    return "?mode=ro&immutable=1"
 
 
 def _wal_unopened(path: str) -> bool:

@@ -362,6 +362,8 @@ def test_closing_a_run_its_block_ended_is_reported_as_a_close(written: str) -> N
     ("/api/actions/clear-cooldown", {"key": "g3", "group": "1", "reason": "x"}, 400, "by"),
     ("/api/actions/clear-cooldown", {"key": "g3", "group": "1", "by": "a", "reason": " "},
      400, "reason"),
+    ("/api/actions/clear-cooldown", {"key": "g3", "group": "maybe", "by": "a", "reason": "x"},
+     400, "group"),
     ("/api/actions/clear-cooldown", {"key": "nope", "by": "a", "reason": "x"}, 404,
      "no health is recorded"),
     ("/api/actions/clear-cooldown", {"key": "A", "by": "a", "reason": "x"}, 409,
@@ -378,7 +380,7 @@ def test_closing_a_run_its_block_ended_is_reported_as_a_close(written: str) -> N
                                              "by": "a", "reason": "x"}, 400, "prompt_tokens"),
     ("/api/actions/attempts/r4-a1/settle", {"outcome": "maybe", "by": "a", "reason": "x"},
      400, "outcome"),
-], ids=["no-by", "blank-reason", "unknown-key", "nothing-to-clear", "bad-status",
+], ids=["no-by", "blank-reason", "bad-group", "unknown-key", "nothing-to-clear", "bad-status",
         "ended-run", "unknown-run", "settled-attempt", "bad-tokens", "bad-outcome"])
 def test_bad_input_is_the_ledgers_typed_error_and_records_nothing(
         written: str, path: str, form: dict[str, str], status: int, says: str) -> None:

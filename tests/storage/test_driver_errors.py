@@ -610,6 +610,35 @@ def test_a_sqlite_ledger_in_a_folder_it_cannot_write_is_a_setup_error_naming_the
     assert sorted(p.name for p in folder.iterdir()) == ["old.db"]
 
 
+def test_a_report_on_a_sqlite_ledger_in_a_folder_it_cannot_write_names_the_folder(
+        tmp_path: Path, clock: ManualClock) -> None:
+    """The reporting commands first ask whether the file is a ledger, reading it without
+    writing. In a folder it may not write, that read met SQLite's "attempt to write a readonly
+    database" (a WAL reader needs its -shm file there) and the command told a refused write
+    and "use it only to read", which the operator was doing. The file is a ledger; the folder
+    is the problem, and the error names it, with nothing created beside the file."""
+    folder = tmp_path / "ro"
+    folder.mkdir()
+    with Ledger.open(str(folder / "old.db"), clock=clock) as led:
+        _seed(led)
+    folder.chmod(0o555)
+    child = ("import contextlib, io, json, sys\n"
+             "from ledger.cli.main import main\n"
+             "from ledger.storage.engine import file_holds\n"
+             "err = io.StringIO()\n"
+             "with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):\n"
+             "    rc = main(['--db', sys.argv[1], 'runs'])\n"
+             "print(json.dumps([file_holds(sys.argv[1]), rc, err.getvalue()]))\n")
+    try:
+        holds, rc, said = _unprivileged(["-c", child, str(folder / "old.db")])
+    finally:
+        folder.chmod(0o755)
+    assert holds == "ledger"
+    assert rc == 2 and f"folder {str(folder)!r} is not writable" in said, said
+    assert "refused the write" not in said
+    assert sorted(p.name for p in folder.iterdir()) == ["old.db"]
+
+
 # -- a row that does not exist ---------------------------------------------------------------
 
 
