@@ -87,7 +87,7 @@ _.KNOWN_POINTS, _.disarm  # faults.py: the points (docs/operations.md table) and
 # -- the shipped test kit (ledger.testing), there for tests to use ----------------------------
 _.reset_next_connections, _.requests, _.wait_for_requests  # FakeProvider (docs/adapters.md)
 _.set_default, _.connections  # FakeProvider (docs/adapters.md)
-_.restart, _.psql, _.create_database, _.cleanup  # PgServer (docs/reference.md, "The test kit")
+_.restart, _.psql, _.create_database, _.drop_database, _.cleanup  # PgServer (reference.md)
 
 # -- public operations no library code calls (documented in docs/reference.md) --------------
 _.set_group_state  # Ledger.set_group_state: an operator's cooldown or outage notice

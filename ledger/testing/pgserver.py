@@ -139,6 +139,22 @@ class PgServer:
             self._admin_connection().execute(create)  # a restart broke the kept one: reopened
         return self.url(name)
 
+    def drop_database(self, name: str) -> None:
+        """Drop database ``name`` if it exists, ending the sessions still on it.
+
+        ``WITH (FORCE)``: what a test made, given back when it ends, so that a server kept for
+        a whole suite holds only the databases in use.
+        """
+        from psycopg import OperationalError, sql
+
+        drop = sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name))
+        try:
+            self._admin_connection().execute(drop)
+        except OperationalError:
+            if self._admin is None or not self._admin.closed:
+                raise
+            self._admin_connection().execute(drop)  # a restart broke the kept one: reopened
+
     def _admin_connection(self) -> psycopg.Connection[Any]:
         import psycopg
 
@@ -166,17 +182,21 @@ class PgServer:
                              start_new_session=True)
 
 
-def start_server(*, durable: bool = False, max_connections: int = 200) -> PgServer:
+def start_server(*, durable: bool = False, max_connections: int = 200,
+                 dir: str | None = None) -> PgServer:
     """Initdb a fresh cluster in a temp dir and start it on a free loopback port.
 
     ``durable=False`` turns fsync off (tests: speed, nothing to protect); ``durable=True``
     keeps production durability, so commits cost what they cost there (a crash test, a
-    benchmark).
+    benchmark). ``dir``: the folder to make the cluster's temp dir in (as
+    :func:`tempfile.mkdtemp`'s; default the system's). A RAM-backed one (``/dev/shm``) makes
+    ``CREATE DATABASE`` several times cheaper: a copy of a database is some 300 files made,
+    written and closed, 40 to 55 ms there against 150 to 400 ms on a virtual machine's disk.
     """
     bindir = find_bindir()
     if bindir is None:
         raise FileNotFoundError("PostgreSQL server binaries (initdb, postgres) are not installed")
-    tmp = tempfile.mkdtemp(prefix="ledger-pg-")
+    tmp = tempfile.mkdtemp(prefix="ledger-pg-", dir=dir)
     datadir = os.path.join(tmp, "data")
     as_user = None
     if os.geteuid() == 0:
