@@ -81,6 +81,12 @@ def _short_id(id_: str) -> str:
     return f"{head}-..{digits[-8:]}"
 
 
+def _preview(text: str, most: int = 80) -> str:
+    """An answer as the demo shows it: whole up to ``most`` characters, else cut with an
+    ellipsis (cut bare, "streaming in piece" read as an answer lost mid-stream)."""
+    return text if len(text) <= most else text[:most - 1] + "\u2026"
+
+
 def print_timeline(led: Ledger, run_id: str, out: TextIO) -> None:
     run = led.get_run(run_id)
     selects = {e.attempt_id: e.data for e in led.events(run_id, ["select"])}
@@ -282,7 +288,7 @@ def run_demo(db_url: str, out: TextIO, wall: Clock | None = None) -> list[str]:
                 try:
                     res = execute(led, lease, _envelope(answer, first.attempt.attempt_id), send,
                                   turn_id="t2")
-                    print(f"   -> answered by {res.route.id}: {res.output.text[:48]!r}",
+                    print(f"   -> answered by {res.route.id}: {_preview(res.output.text)!r}",
                           file=out)
                     status = "succeeded"
                 except FailoverExhausted as e:

@@ -38,6 +38,8 @@ def test_demo_runs_offline_and_writes_the_ledger(tmp_path: Path) -> None:
     assert res.returncode == 0, res.stderr
     out = res.stdout
     assert "answered by go-glm" in out  # scenario 1: next model, same healthy group
+    # The answer whole (it was cut at 48 characters, mid-word, with no sign of the cut).
+    assert "answered by go-glm: 'Hello from the fake provider, streaming in pieces.'" in out
     assert "answered by official-deepseek" in out  # scenario 2: independent group
     assert "skipped go-glm: same_group_unavailable" in out
     assert "stopped: no_candidate" in out and "official-deepseek: disclosure" in out
