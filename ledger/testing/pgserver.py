@@ -126,17 +126,12 @@ class PgServer:
         database per test spends about a tenth of a second less on each. The connection is
         opened again once when a restart of the server broke it.
         """
-        from psycopg import OperationalError, sql
+        from psycopg import sql
 
         create = sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name))
         if template:
             create += sql.SQL(" TEMPLATE {}").format(sql.Identifier(template))
-        try:
-            self._admin_connection().execute(create)
-        except OperationalError:
-            if self._admin is None or not self._admin.closed:
-                raise
-            self._admin_connection().execute(create)  # a restart broke the kept one: reopened
+        self._admin_execute(create)
         return self.url(name)
 
     def drop_database(self, name: str) -> None:
@@ -145,15 +140,20 @@ class PgServer:
         ``WITH (FORCE)``: what a test made, given back when it ends, so that a server kept for
         a whole suite holds only the databases in use.
         """
-        from psycopg import OperationalError, sql
+        from psycopg import sql
 
-        drop = sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name))
+        self._admin_execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(
+            sql.Identifier(name)))
+
+    def _admin_execute(self, statement: Any) -> None:
+        from psycopg import OperationalError
+
         try:
-            self._admin_connection().execute(drop)
+            self._admin_connection().execute(statement)
         except OperationalError:
             if self._admin is None or not self._admin.closed:
                 raise
-            self._admin_connection().execute(drop)  # a restart broke the kept one: reopened
+            self._admin_connection().execute(statement)  # a restart broke the kept one
 
     def _admin_connection(self) -> psycopg.Connection[Any]:
         import psycopg

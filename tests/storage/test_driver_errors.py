@@ -577,17 +577,23 @@ def test_a_read_only_sqlite_file_refuses_writes_and_still_answers_reads(
     _still_there(path, att, AttemptState.DISPATCHING)
 
 
+def _ledger_in_a_read_only_folder(tmp_path: Path, clock: ManualClock) -> Path:
+    """A folder (mode 0555; the caller makes it writable again) holding ledger ``old.db``."""
+    folder = tmp_path / "ro"
+    folder.mkdir()
+    with Ledger.open(str(folder / "old.db"), clock=clock) as led:
+        _seed(led)
+    folder.chmod(0o555)
+    return folder
+
+
 def test_a_sqlite_ledger_in_a_folder_it_cannot_write_is_a_setup_error_naming_the_folder(
         tmp_path: Path, clock: ManualClock) -> None:
     """SQLite must create the ledger's file, and its -wal and -shm files even to read it, in
     the ledger's folder: in a folder this process may not write, a new ledger was
     ``DatabaseUnavailable`` ("safe to retry") and an existing one a ``StorageError`` blaming
     the file. Both are ``DatabaseSetupError`` naming the folder, with nothing created."""
-    folder = tmp_path / "ro"
-    folder.mkdir()
-    with Ledger.open(str(folder / "old.db"), clock=clock) as led:
-        _seed(led)
-    folder.chmod(0o555)
+    folder = _ledger_in_a_read_only_folder(tmp_path, clock)
     child = ("import json, sys\n"
              "from ledger import Ledger\n"
              "from ledger.errors import DatabaseSetupError\n"
@@ -617,11 +623,7 @@ def test_a_report_on_a_sqlite_ledger_in_a_folder_it_cannot_write_names_the_folde
     database" (a WAL reader needs its -shm file there) and the command told a refused write
     and "use it only to read", which the operator was doing. The file is a ledger; the folder
     is the problem, and the error names it, with nothing created beside the file."""
-    folder = tmp_path / "ro"
-    folder.mkdir()
-    with Ledger.open(str(folder / "old.db"), clock=clock) as led:
-        _seed(led)
-    folder.chmod(0o555)
+    folder = _ledger_in_a_read_only_folder(tmp_path, clock)
     child = ("import contextlib, io, json, sys\n"
              "from ledger.cli.main import main\n"
              "from ledger.storage.engine import file_holds\n"
