@@ -372,6 +372,8 @@ def _range(args: argparse.Namespace, now: float) -> tuple[float | None, float | 
 
 
 def _footer(page: Any) -> None:
+    if not page.items:
+        print("(none)")  # the header alone read as a command that did nothing
     if page.next_cursor:
         print(f"\nmore: --cursor '{page.next_cursor}'")
 
