@@ -66,6 +66,8 @@ SHM = "/dev/shm"
 SHM_ROOM = 6 << 30
 #: Chooses the scratch files' place: ``shm`` (the default where it has room) or ``disk``.
 SCRATCH_ENV = "LEDGER_TEST_SCRATCH"
+#: The run's scratch folder once chosen, for the workers and tests/audit/generated.py.
+SCRATCH_ROOT_ENV = "LEDGER_TEST_SCRATCH_ROOT"
 
 
 def _scratch_root() -> str | None:
@@ -115,10 +117,10 @@ def pytest_configure(config: pytest.Config) -> None:
     # Chosen once, by the process that starts the workers: they get the base from it
     # (pytest-xdist passes ``basetemp/popen-gwN``) and the variable by inheritance.
     if not hasattr(config, "workerinput") and config.option.basetemp is None \
-            and SCRATCH_ENV + "_ROOT" not in os.environ:
+            and SCRATCH_ROOT_ENV not in os.environ:
         root = _scratch_root()
         if root is not None:
-            os.environ[SCRATCH_ENV + "_ROOT"] = root
+            os.environ[SCRATCH_ROOT_ENV] = root
             config.option.basetemp = os.path.join(root, "base")
             config.add_cleanup(lambda: shutil.rmtree(root, ignore_errors=True))
     for n in INVARIANTS:
@@ -145,7 +147,7 @@ def pg_server() -> Iterator[PgServer]:
         if REQUIRE_PG:
             pytest.fail(msg + " and LEDGER_REQUIRE_POSTGRES=1")
         pytest.skip(msg)
-    srv = start_server(dir=os.environ.get(SCRATCH_ENV + "_ROOT"))
+    srv = start_server(dir=os.environ.get(SCRATCH_ROOT_ENV))
     try:
         srv.psql("CREATE DATABASE ledger_template")
         from ledger.api.facade import Ledger

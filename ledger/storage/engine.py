@@ -299,7 +299,7 @@ def sqlite_file(norm: str, parsed: URL) -> str:
     # when the last connection closes): without the right to, it says only "unable to open
     # database file", or blames the file.
     made = [p for p in (db, db + "-wal", db + "-shm") if not os.path.exists(p)]
-    if made and not os.access(parent, os.W_OK | os.X_OK):
+    if made and not _folder_writable(db):
         names = ", ".join(os.path.basename(p) for p in made)
         raise DatabaseSetupError(
             f"cannot open SQLite database {db!r}: folder {parent!r} is not writable by this "
@@ -310,6 +310,11 @@ def sqlite_file(norm: str, parsed: URL) -> str:
             url=redact_url(norm), problem="folder_read_only", database=db, role=None,
         )
     return db
+
+
+def _folder_writable(path: str) -> bool:
+    """Whether this process may make files in ``path``'s folder (SQLite's -wal and -shm)."""
+    return os.access(os.path.dirname(os.path.abspath(path)), os.W_OK | os.X_OK)
 
 
 def _refuse_directory(norm: str, db: str) -> None:
@@ -386,7 +391,7 @@ def _holds_mode(path: str) -> str:
     (:func:`sqlite_file`'s ``folder_read_only``)."""
     if not _wal_unopened(path):
         return "?mode=ro"
-    if os.access(os.path.dirname(os.path.abspath(path)), os.W_OK | os.X_OK):
+    if _folder_writable(path):
         return "?mode=rw"
     return "?mode=ro&immutable=1"
 

@@ -60,7 +60,8 @@ def _make(parsed: URL, pg: bool, start: float, params: dict[str, Any]
         url = parsed.set(database=where).render_as_string(hide_password=False)
     else:
         if not _DIR:
-            # The run's scratch (tests/conftest.py: in RAM where there is room), else /tmp.
+            # The run's scratch (tests/conftest.py's SCRATCH_ROOT_ENV: in RAM where there is
+            # room), else /tmp.
             _DIR.append(tempfile.mkdtemp(prefix="ledger-generated-",
                                          dir=os.environ.get("LEDGER_TEST_SCRATCH_ROOT")))
             atexit.register(shutil.rmtree, _DIR[0], True)
